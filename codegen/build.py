@@ -1,0 +1,129 @@
+"""The ahead-of-time driver: spec + target -> one shared library and its manifest.
+
+A build is keyed by everything that can change its output (the kernels asked for, the target,
+TVM's version and blockpad's own code generator); building again with the same key does nothing
+and says so."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from blockpad.errors import BlockpadError, BuildError
+from blockpad.runtime import manifest as mf
+
+from .ops import OPS
+from .spec import Spec, load_spec
+from .targets import Target, get_target
+
+@dataclass
+class BuildResult:
+    out_dir: str
+    manifest: dict
+    rebuilt: bool
+
+
+def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildResult:
+    """Build ``spec`` (a path or a parsed Spec) for ``target`` into ``out_dir``."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    target = target if isinstance(target, Target) else get_target(target)
+    key = build_key(spec, target)
+    out_dir = os.fspath(out_dir)
+    if not force and _up_to_date(out_dir, key):
+        log(f"{out_dir}: up to date ({len(spec.kernels)} kernels for {target.name}, "
+            f"build key {key[:12]}); nothing to do")
+        return BuildResult(out_dir, mf.read(out_dir), rebuilt=False)
+
+    import tvm
+
+    from blockpad.schedules import schedule
+
+    os.makedirs(out_dir, exist_ok=True)
+    start = time.perf_counter()
+    funcs, kernels = {}, []
+    n = len(spec.kernels)
+    for i, req in enumerate(spec.kernels, 1):
+        t0 = time.perf_counter()
+        try:
+            kernel = OPS[req.op].make(*req.layouts, name=req.name)
+            funcs[req.name] = schedule(kernel.func, target)
+        except BlockpadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a TVM failure is reported with the kernel's name
+            raise BuildError(f"{req.name}: code generation failed: {e}") from e
+        kernels.append(kernel)
+        log(f"[{i}/{n}] {req.name}: generated and scheduled ({time.perf_counter() - t0:.2f} s)")
+
+    log(f"compiling {n} kernels for {target.name} ({target.description}) ...")
+    t0 = time.perf_counter()
+    try:
+        lib = tvm.compile(tvm.IRModule(funcs), target=target.tvm_target())
+        lib_path = os.path.join(out_dir, mf.LIBRARY)
+        tmp = lib_path + ".tmp.so"
+        if target.cross_compiler:
+            from tvm.support import cc
+
+            lib.export_library(tmp, fcompile=cc.cross_compiler(target.cross_compiler))
+        else:
+            lib.export_library(tmp)
+        os.replace(tmp, lib_path)
+    except Exception as e:  # noqa: BLE001
+        raise BuildError(f"compiling for {target.name} failed: {e}") from e
+    log(f"compiled in {time.perf_counter() - t0:.2f} s")
+
+    manifest = {
+        "format": mf.FORMAT,
+        "name": spec.name,
+        "build_key": key,
+        "library": mf.LIBRARY,
+        "library_sha256": mf.file_sha256(lib_path),
+        "tvm_version": mf.tvm_version(),
+        "target": {"name": target.name, "tvm": target.tvm, "arch": target.arch,
+                   "features": list(target.features)},
+        "kernels": [k.describe() for k in kernels],
+    }
+    mf.write(out_dir, manifest)
+    size = os.path.getsize(lib_path)
+    log(f"wrote {lib_path} ({size // 1024} KiB) and {mf.MANIFEST}: {n} kernels in "
+        f"{time.perf_counter() - start:.1f} s")
+    return BuildResult(out_dir, manifest, rebuilt=True)
+
+
+def build_key(spec: Spec, target: Target) -> str:
+    h = hashlib.sha256()
+    h.update(spec.digest().encode())
+    h.update(json.dumps([target.name, target.tvm, list(target.features)], sort_keys=True).encode())
+    h.update(mf.tvm_version().encode())
+    h.update(code_digest().encode())
+    return h.hexdigest()
+
+
+def code_digest() -> str:
+    """Hash of the sources that decide what a build emits (layouts, codegen, schedules)."""
+    import blockpad.codegen
+    import blockpad.schedules
+    from blockpad import errors, layout
+
+    files = [Path(layout.__file__), Path(errors.__file__)]
+    for pkg in (blockpad.codegen, blockpad.schedules):
+        files += sorted(Path(pkg.__path__[0]).rglob("*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _up_to_date(out_dir, key) -> bool:
+    try:
+        manifest = mf.read(out_dir)
+        lib = os.path.join(out_dir, manifest["library"])
+        return manifest.get("build_key") == key and os.path.isfile(lib) and \
+            mf.file_sha256(lib) == manifest["library_sha256"]
+    except BlockpadError:
+        return False

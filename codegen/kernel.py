@@ -1,0 +1,73 @@
+"""The unit the build driver compiles: a PrimFunc plus what the runtime must know to call it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm_ffi
+from tvm import te, tirx
+
+from blockpad.layout import Layout
+
+#: Element types whose arithmetic LLVM does not need for data movement: moved as raw bits.
+_BIT_STORAGE = {"bfloat16": "uint16"}
+
+OP_ATTR = "blockpad.op"
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One kernel argument: a tensor in ``layout``, read (``in``), written (``out``) or both."""
+
+    name: str
+    layout: Layout
+    role: str
+    storage: str  # element type of the compiled buffer
+
+    def describe(self) -> dict:
+        return {"name": self.name, "role": self.role, "storage": self.storage,
+                "layout": self.layout.describe()}
+
+
+@dataclass
+class Kernel:
+    name: str
+    op: str
+    args: list[Arg]
+    func: tirx.PrimFunc
+    params: dict = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "op": self.op, "params": self.params,
+                "args": [a.describe() for a in self.args]}
+
+
+def movement_storage(dtype: str) -> str:
+    """Storage type for kernels that only move bits (reorders, zero fills)."""
+    return _BIT_STORAGE.get(dtype, dtype)
+
+
+def placeholder(layout: Layout, name: str, storage: str) -> te.Tensor:
+    """A TE tensor over the physical index space of ``layout``."""
+    return te.placeholder(layout.physical_shape, storage, name)
+
+
+def strided_buffer(layout: Layout, name: str, storage: str) -> tirx.Buffer:
+    """The buffer a kernel parameter is declared with: the layout's physical shape and strides,
+    aligned only to the element, so any view of a user's allocation is accepted (numpy gives 16
+    bytes, TVM's compact default would assume 64 and crash, tvm027.md section 0.3)."""
+    itemsize = tvm_ffi.dtype(storage).itemsize
+    return tirx.decl_buffer(layout.physical_shape, storage, name,
+                            strides=list(layout.physical_strides), offset_factor=1,
+                            data_alignment=itemsize)
+
+
+def finish(func: tirx.PrimFunc, name: str, op: str, args: list[Arg]) -> Kernel:
+    """Replace the compact TE parameter buffers by the layouts' strided ones and name the func."""
+    replace = {}
+    for param, arg in zip(func.params, args):
+        replace[param] = strided_buffer(arg.layout, arg.name, arg.storage)
+    func = tvm_ffi.structural_map(
+        func, (tirx.Var, lambda v: next((new for old, new in replace.items() if v.same_as(old)), v)))
+    func = func.with_attr("global_symbol", name).with_attr(OP_ATTR, op)
+    return Kernel(name, op, args, func)

@@ -1,0 +1,140 @@
+"""Build specs: a TOML file listing kernels by op, layouts, shapes and dtypes.
+
+    [[kernel]]
+    op = "reorder"
+    shapes = [[2, 30, 5, 7], [1, 64, 56, 56]]   # or shape = [...]
+    dtypes = ["float32", "bfloat16"]             # or dtype = "..."
+    src = "nchw"
+    dst = { tag = "nChw16c", paddings = { h = [1, 1] } }
+
+Each entry expands to one kernel per shape x dtype."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import tomllib
+from dataclasses import dataclass
+
+from blockpad.errors import BlockpadError, SpecError
+from blockpad.layout import Layout
+
+from .ops import OPS
+
+_SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "s64",
+          "int32": "s32", "int16": "s16", "int8": "s8", "uint64": "u64", "uint32": "u32",
+          "uint16": "u16", "uint8": "u8"}
+
+
+@dataclass(frozen=True)
+class KernelRequest:
+    name: str
+    op: str
+    layouts: tuple  # one Layout per tensor argument of the op
+
+    def describe(self) -> dict:
+        return {"name": self.name, "op": self.op, "layouts": [l.describe() for l in self.layouts]}
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    kernels: tuple
+
+    def digest(self) -> str:
+        text = json.dumps([k.describe() for k in self.kernels], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_spec(path) -> Spec:
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read the spec ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path}: not valid TOML ({e})") from None
+    return parse_spec(doc, str(path))
+
+
+def parse_spec(doc: dict, where: str = "spec") -> Spec:
+    entries = doc.get("kernel")
+    if not isinstance(entries, list) or not entries:
+        raise SpecError(f"{where}: expected one or more [[kernel]] tables; found none")
+    name = doc.get("library", {}).get("name", "kernels")
+    kernels, seen = [], {}
+    for i, entry in enumerate(entries):
+        for req in _expand(entry, f"{where}: kernel #{i + 1}"):
+            if req.name in seen:
+                raise SpecError(f"{where}: kernel #{i + 1} makes {req.name!r}, which kernel "
+                                f"#{seen[req.name]} already makes; give one a distinct name")
+            seen[req.name] = i + 1
+            kernels.append(req)
+    return Spec(name, tuple(kernels))
+
+
+def _expand(entry: dict, where: str):
+    op_name = entry.get("op")
+    if op_name not in OPS:
+        raise SpecError(f"{where}: op: expected one of {', '.join(OPS)}; got {op_name!r}")
+    op = OPS[op_name]
+    known = {"op", "name", "shape", "shapes", "dtype", "dtypes", *op.tensors}
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise SpecError(f"{where}: unknown key {', '.join(unknown)} for op {op_name!r}; "
+                        f"expected {', '.join(sorted(known))}")
+    shapes = _one_or_many(entry, "shape", "shapes", where)
+    dtypes = _one_or_many(entry, "dtype", "dtypes", where, default=["float32"])
+    missing = [t for t in op.tensors if t not in entry]
+    if missing:
+        raise SpecError(f"{where}: op {op_name!r} needs a layout for {', '.join(missing)}")
+    combos = list(itertools.product(shapes, dtypes))
+    if "name" in entry and len(combos) > 1:
+        raise SpecError(f"{where}: 'name' names one kernel, but the entry expands to "
+                        f"{len(combos)} (shapes x dtypes)")
+    for shape, dtype in combos:
+        try:
+            layouts = tuple(_layout(entry[t], shape, dtype) for t in op.tensors)
+        except BlockpadError as e:
+            raise SpecError(f"{where}: {e}") from None
+        name = entry.get("name") or _default_name(op_name, layouts)
+        if not name.isidentifier():
+            raise SpecError(f"{where}: name must be a C identifier; got {name!r}")
+        yield KernelRequest(name, op_name, layouts)
+
+
+def _one_or_many(entry, one, many, where, default=None):
+    if one in entry and many in entry:
+        raise SpecError(f"{where}: give {one!r} or {many!r}, not both")
+    if one in entry:
+        return [entry[one]]
+    if many in entry:
+        if not isinstance(entry[many], list) or not entry[many]:
+            raise SpecError(f"{where}: {many!r} must be a non-empty list")
+        return entry[many]
+    if default is None:
+        raise SpecError(f"{where}: expected {one!r} or {many!r}")
+    return default
+
+
+def _layout(value, shape, dtype) -> Layout:
+    if isinstance(value, str):
+        return Layout(value, shape, dtype)
+    if isinstance(value, dict) and "tag" in value:
+        extra = sorted(set(value) - {"tag", "paddings", "strides"})
+        if extra:
+            raise SpecError(f"layout table: unknown key {', '.join(extra)}; expected tag, "
+                            f"paddings, strides")
+        return Layout(value["tag"], shape, dtype, value.get("paddings"), value.get("strides"))
+    raise SpecError(f"layout: expected a tag string or a table with 'tag'; got {value!r}")
+
+
+def _default_name(op: str, layouts) -> str:
+    lay = layouts[0]
+    parts = [op, *(l.tag for l in layouts), _SHORT[lay.dtype], "x".join(map(str, lay.shape))]
+    name = "_".join(parts)
+    if any(l.describe().keys() - {"tag", "shape", "dtype"} for l in layouts):
+        extra = json.dumps([l.describe() for l in layouts], sort_keys=True)
+        name += "_" + hashlib.sha256(extra.encode()).hexdigest()[:8]
+    return name

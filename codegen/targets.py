@@ -1,0 +1,49 @@
+"""The targets ``blockpad build --target`` accepts: a plain, explicit table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from blockpad.errors import SpecError
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    family: str           # which schedules/ module lowers it
+    tvm: dict             # TVM target, dict form
+    arch: str             # machine the library runs on (platform.machine())
+    features: tuple       # /proc/cpuinfo flags the code may use
+    vector_bytes: int     # widest vector register the schedules target
+    description: str = ""
+    cross_compiler: str | None = None   # C compiler that links the shared library
+    extra: dict = field(default_factory=dict)
+
+    def tvm_target(self, num_cores: int | None = None):
+        import tvm
+
+        spec = dict(self.tvm)
+        if num_cores:
+            spec["num-cores"] = num_cores
+        return tvm.target.Target(spec)
+
+
+# x86-64-v3 is the AVX2 level (AVX, AVX2, BMI1/2, F16C, FMA, LZCNT, MOVBE): code built for it
+# runs on any Haswell-or-later Intel and Zen AMD, which is what 'host' promises.
+_X86_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "sse4_2", "popcnt")
+
+TARGETS = {
+    "host": Target("host", "x86", {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v3"},
+                   "x86_64", _X86_V3, 32, "x86-64 with AVX2 and FMA (x86-64-v3)"),
+    "avx512": Target("avx512", "x86", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                                       "mcpu": "skylake-avx512"},
+                     "x86_64", _X86_V3 + ("avx512f", "avx512bw", "avx512dq", "avx512vl"), 64,
+                     "x86-64 with AVX-512 (Skylake-SP and later)"),
+}
+
+
+def get_target(name: str) -> Target:
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise SpecError(f"target: expected one of {', '.join(TARGETS)}; got {name!r}") from None

@@ -1,0 +1,154 @@
+"""``blockpad.load``: a built library whose kernels take Memory objects, numpy arrays or any
+DLPack producer, checked against the signatures the manifest records."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from blockpad.errors import ArgumentError, LoadError
+from blockpad.layout import Layout, numpy_dtype
+
+from . import manifest as mf
+from .memory import Memory
+from .tvm_runtime import load_module
+
+
+class Signature:
+    """What a kernel takes, read from the manifest."""
+
+    def __init__(self, entry: dict):
+        self.name = entry["name"]
+        self.op = entry["op"]
+        self.params = entry.get("params", {})
+        self.args = [(a["name"], a["role"], Layout.from_dict(a["layout"]), a["storage"])
+                     for a in entry["args"]]
+
+    def __repr__(self):
+        args = ", ".join(f"{role} {name}: {lay}" for name, role, lay, _ in self.args)
+        return f"{self.name}({args})"
+
+
+class Kernel:
+    def __init__(self, signature: Signature, func):
+        self.signature = signature
+        self._func = func
+
+    @property
+    def name(self):
+        return self.signature.name
+
+    def __call__(self, *args):
+        sig = self.signature
+        if len(args) != len(sig.args):
+            raise ArgumentError(f"{sig.name}: expected {len(sig.args)} arguments "
+                                f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
+        views = [_as_view(value, sig.name, *spec) for value, spec in zip(args, sig.args)]
+        _check_no_alias(sig, views)
+        self._func(*views)
+
+    def __repr__(self):
+        return f"<blockpad kernel {self.signature!r}>"
+
+
+class Library:
+    """The kernels of one built library; ``lib[name](...)`` calls one."""
+
+    def __init__(self, path: str, manifest: dict, module):
+        self.path = path
+        self.manifest = manifest
+        self.target = manifest["target"]["name"]
+        self._module = module
+        self.kernels = {k["name"]: Signature(k) for k in manifest["kernels"]}
+        self._cache = {}
+
+    def __getitem__(self, name) -> Kernel:
+        if name not in self.kernels:
+            raise KeyError(f"{name!r}: this library has kernels {', '.join(sorted(self.kernels))}")
+        if name not in self._cache:
+            self._cache[name] = Kernel(self.kernels[name], self._module[name])
+        return self._cache[name]
+
+    def __contains__(self, name):
+        return name in self.kernels
+
+    def __iter__(self):
+        return iter(self.kernels)
+
+    def __repr__(self):
+        return f"<blockpad library {self.path} target={self.target} kernels={len(self.kernels)}>"
+
+
+def load(path) -> Library:
+    """Load a library built by ``blockpad build``, after checking it can run here."""
+    path = os.fspath(path)
+    manifest = mf.read(path)
+    lib_path = mf.check_loadable(path, manifest)
+    try:
+        module = load_module(lib_path)
+    except Exception as e:  # noqa: BLE001 - the loader's own error type is an FFI detail
+        raise LoadError(f"{lib_path}: TVM could not load it: {e}") from e
+    return Library(path, manifest, module)
+
+
+def _as_view(value, kernel, name, role, layout: Layout, storage) -> np.ndarray:
+    """Turn one argument into the strided physical view the compiled kernel checks for."""
+    where = f"{kernel}: argument {name!r}"
+    if isinstance(value, Memory):
+        if value.layout != layout:
+            raise ArgumentError(f"{where}: expected layout {layout}; got {value.layout}")
+        return value.physical_view(storage)
+    array = _as_numpy(value, where)
+    want = numpy_dtype(layout.dtype)
+    if array.dtype != want:
+        raise ArgumentError(f"{where}: expected dtype {layout.dtype}; got {array.dtype}")
+    if role != "in" and not array.flags.writeable:
+        raise ArgumentError(f"{where}: the kernel writes it, but the array is read-only")
+    if not array.flags.c_contiguous:
+        raise ArgumentError(f"{where}: expected a C-contiguous array; got strides "
+                            f"{array.strides} for shape {array.shape} (np.ascontiguousarray "
+                            f"makes one)")
+    if array.ctypes.data % array.itemsize:
+        if role != "in":
+            raise ArgumentError(f"{where}: data at 0x{array.ctypes.data:x} is not aligned to its "
+                                f"{array.itemsize}-byte elements")
+        array = np.array(array)  # an unaligned input is copied, never handed to vector code
+    if array.ndim == 1 and array.shape != layout.shape:
+        if array.size < layout.alloc_len:
+            raise ArgumentError(f"{where}: layout {layout} needs a buffer of {layout.alloc_len} "
+                                f"elements; got {array.size}")
+        return Memory(layout, array).physical_view(storage)
+    if array.shape == layout.physical_shape and layout.strides is None:
+        return array.view(numpy_dtype(storage))
+    if array.shape == layout.shape and layout.is_plain:
+        return array.reshape(layout.physical_shape).view(numpy_dtype(storage))
+    accepted = [f"a flat buffer of >= {layout.alloc_len} elements"]
+    if layout.strides is None:
+        accepted.insert(0, f"physical shape {layout.physical_shape}")
+    if layout.is_plain:
+        accepted.insert(0, f"logical shape {layout.shape}")
+    raise ArgumentError(f"{where}: layout {layout} takes {' or '.join(accepted)} (or a Memory); "
+                        f"got shape {array.shape}")
+
+
+def _as_numpy(value, where) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__dlpack__"):
+        try:
+            return np.from_dlpack(value)
+        except (TypeError, RuntimeError, BufferError, ValueError) as e:
+            raise ArgumentError(f"{where}: DLPack tensor not readable as a CPU array ({e})") from e
+    raise ArgumentError(f"{where}: expected a Memory, numpy array or DLPack tensor; got "
+                        f"{type(value).__name__}")
+
+
+def _check_no_alias(sig: Signature, views):
+    """Kernels are compiled assuming their buffers do not overlap; refuse aliasing outright."""
+    for i, (name_i, role_i, *_) in enumerate(sig.args):
+        for j in range(i + 1, len(sig.args)):
+            name_j, role_j = sig.args[j][:2]
+            if (role_i, role_j) != ("in", "in") and np.may_share_memory(views[i], views[j]):
+                raise ArgumentError(f"{sig.name}: arguments {name_i!r} and {name_j!r} overlap in "
+                                    f"memory; this kernel needs separate buffers")

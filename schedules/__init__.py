@@ -1,0 +1,25 @@
+"""How to compute on each target: one module per target family, dispatched by a plain table.
+
+A rule is an object with ``apply(func, target) -> Schedule | None`` (TVM dlight's contract):
+None means "not mine", and the next rule in the family's list is tried.
+"""
+
+from __future__ import annotations
+
+import tvm
+
+from . import x86
+
+RULES = {
+    "x86": x86.RULES,
+}
+
+
+def schedule(func: tvm.tirx.PrimFunc, target) -> tvm.tirx.PrimFunc:
+    """Apply the first rule of ``target.family`` that takes ``func``; return the scheduled func."""
+    for rule in RULES[target.family]:
+        sch = rule.apply(func, target)
+        if sch is not None:
+            return sch.mod["main"]
+    raise NotImplementedError(f"no {target.family} schedule rule takes op "
+                              f"{func.attrs.get('blockpad.op')!r}")
