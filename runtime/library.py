@@ -3,6 +3,7 @@ DLPack producer, checked against the signatures the manifest records."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import numpy as np
@@ -103,8 +104,10 @@ def _as_view(value, kernel, name, role, layout: Layout, storage) -> np.ndarray:
     want = numpy_dtype(layout.dtype)
     if array.dtype != want:
         raise ArgumentError(f"{where}: expected dtype {layout.dtype}; got {array.dtype}")
-    if role != "in" and not array.flags.writeable:
-        raise ArgumentError(f"{where}: the kernel writes it, but the array is read-only")
+    if not array.flags.writeable:
+        if role != "in":
+            raise ArgumentError(f"{where}: the kernel writes it, but the array is read-only")
+        array = _readable_alias(array)
     if not array.flags.c_contiguous:
         raise ArgumentError(f"{where}: expected a C-contiguous array; got strides "
                             f"{array.strides} for shape {array.shape} (np.ascontiguousarray "
@@ -114,15 +117,15 @@ def _as_view(value, kernel, name, role, layout: Layout, storage) -> np.ndarray:
             raise ArgumentError(f"{where}: data at 0x{array.ctypes.data:x} is not aligned to its "
                                 f"{array.itemsize}-byte elements")
         array = np.array(array)  # an unaligned input is copied, never handed to vector code
-    if array.ndim == 1 and array.shape != layout.shape:
+    if array.shape == layout.shape and layout.is_plain:
+        return array.reshape(layout.physical_shape).view(numpy_dtype(storage))
+    if array.shape == layout.physical_shape and layout.strides is None:
+        return array.view(numpy_dtype(storage))
+    if array.ndim == 1:
         if array.size < layout.alloc_len:
             raise ArgumentError(f"{where}: layout {layout} needs a buffer of {layout.alloc_len} "
                                 f"elements; got {array.size}")
         return Memory(layout, array).physical_view(storage)
-    if array.shape == layout.physical_shape and layout.strides is None:
-        return array.view(numpy_dtype(storage))
-    if array.shape == layout.shape and layout.is_plain:
-        return array.reshape(layout.physical_shape).view(numpy_dtype(storage))
     accepted = [f"a flat buffer of >= {layout.alloc_len} elements"]
     if layout.strides is None:
         accepted.insert(0, f"physical shape {layout.physical_shape}")
@@ -130,6 +133,14 @@ def _as_view(value, kernel, name, role, layout: Layout, storage) -> np.ndarray:
         accepted.insert(0, f"logical shape {layout.shape}")
     raise ArgumentError(f"{where}: layout {layout} takes {' or '.join(accepted)} (or a Memory); "
                         f"got shape {array.shape}")
+
+
+def _readable_alias(array: np.ndarray) -> np.ndarray:
+    """A writeable-flagged alias of a read-only input, because numpy refuses to export read-only
+    arrays through DLPack. Only ``in`` arguments get one, and kernels never store to those."""
+    raw = (ctypes.c_byte * max(array.nbytes, 1)).from_address(array.ctypes.data)
+    alias = np.frombuffer(raw, array.dtype, array.size).reshape(array.shape)
+    return alias
 
 
 def _as_numpy(value, where) -> np.ndarray:

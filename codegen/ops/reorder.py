@@ -48,14 +48,19 @@ def zero_pad(layout: Layout, name: str) -> Kernel:
                 extents = list(layout.physical_shape)
                 extents[axis] = stop - start
                 with T.grid(*extents) as loops:
+                    loops = _as_list(loops)  # the builder unwraps one-element lists
                     with T.sblock(f"zero{n}"):
-                        idx = [v + start if i == axis else v
-                               for i, v in enumerate(T.axis.remap("S" * len(extents), loops))]
+                        bound = _as_list(T.axis.remap("S" * len(extents), loops))
+                        idx = [v + start if i == axis else v for i, v in enumerate(bound)]
                         pidx = [v + start if i == axis else v for i, v in enumerate(loops)]
                         T.where(layout.is_padding(pidx))
                         T.buffer_store(buf, tirx.const(0, storage), idx)
     args = [Arg("buf", layout, "inout", storage)]
     return finish(ib.get(), name, "zero_pad", args)
+
+
+def _as_list(v):
+    return list(v) if isinstance(v, (list, tuple)) or hasattr(v, "__len__") else [v]
 
 
 def _padded_regions(layout: Layout):

@@ -1,0 +1,72 @@
+"""Timing helpers shared by the benchmarks.
+
+The CPU clock of a shared VM drifts by 20% from one minute to the next, so contenders are never
+timed one after the other: each round times one batch of every contender in turn, and each
+contender's figure is the median over the rounds."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+BATCH_S = 0.03  # a batch lasts about this long: long enough for perf_counter, short against drift
+
+
+def batch_size(fn, batch_s=BATCH_S) -> int:
+    """Warm ``fn`` up, then return how many calls take about ``batch_s`` seconds."""
+    fn()
+    n = 1
+    while True:
+        t = _time(fn, n)
+        if t >= batch_s / 4 or n >= 1 << 20:
+            return max(1, round(n * batch_s / t))
+        n *= 4
+
+
+def interleaved(contenders: dict, repeat: int) -> dict:
+    """``{name: fn}`` -> ``{name: median seconds per call}``, timing one batch of each contender
+    per round so that clock drift hits them all alike."""
+    sizes = {name: batch_size(fn) for name, fn in contenders.items()}
+    times = {name: [] for name in contenders}
+    for _ in range(repeat):
+        for name, fn in contenders.items():
+            times[name].append(_time(fn, sizes[name]) / sizes[name])
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _time(fn, n) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return time.perf_counter() - t0
+
+
+def threaded_copy(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor):
+    """``np.copyto`` split over the pool's threads (numpy releases the GIL while it copies): one
+    thread of numpy does not reach the memory bandwidth that the kernels, run on every core,
+    can."""
+    parts = pool._max_workers
+    bounds = np.linspace(0, src.size, parts + 1).astype(int)
+    s, d = src.reshape(-1), dst.reshape(-1)
+    chunks = [(d[a:b], s[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def run():
+        futures = [pool.submit(np.copyto, *c) for c in chunks[1:]]
+        np.copyto(*chunks[0])
+        for f in futures:
+            f.result()
+
+    return run
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    """Left-align the first column, right-align the others."""
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                              for i, (c, w) in enumerate(zip(r, widths)))
+    lines = [fmt(cells[0]), "  ".join("-" * w for w in widths)]
+    return "\n".join(lines + [fmt(r) for r in cells[1:]])

@@ -1,0 +1,78 @@
+"""Shared fixtures: libraries are built once per test session (TVM compiles take seconds)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import blockpad as bp
+from blockpad.codegen.spec import parse_spec
+
+# Reorders and zero pads covering the layout families, blocks that do not divide the dims,
+# nested blocks, halos, custom strides and every dtype class.
+REORDER_SPEC = {
+    "library": {"name": "test-reorders"},
+    "kernel": [
+        {"op": "reorder", "shapes": [[2, 30, 5, 7], [1, 3, 4, 4]], "dtypes": ["float32", "int8"],
+         "src": "nchw", "dst": "nChw16c"},
+        {"op": "reorder", "shapes": [[2, 30, 5, 7]], "dtypes": ["float32", "bfloat16", "uint8"],
+         "src": "nChw16c", "dst": "nchw"},
+        {"op": "reorder", "shape": [2, 30, 5, 7], "dtype": "float16", "src": "nhwc", "dst": "nChw8c"},
+        {"op": "reorder", "shape": [2, 30, 5, 7], "src": "nChw8c", "dst": "nChw16c"},
+        {"op": "reorder", "shape": [20, 30, 3, 3], "dtype": "int8", "src": "oihw", "dst": "OIhw4i16o4i"},
+        {"op": "reorder", "shape": [20, 30, 3, 3], "src": "OIhw16i16o", "dst": "oihw"},
+        {"op": "reorder", "shape": [33, 17], "dtype": "int32", "src": "ab", "dst": "AB16b16a"},
+        {"op": "reorder", "shape": [2, 3, 5, 4, 6], "src": "ncdhw", "dst": "nCdhw8c"},
+        {"name": "to_halo", "op": "reorder", "shape": [2, 30, 5, 7], "src": "nchw",
+         "dst": {"tag": "nChw16c", "paddings": {"h": [1, 2], "w": [3, 1]}}},
+        {"name": "from_halo", "op": "reorder", "shape": [2, 30, 5, 7], "src":
+            {"tag": "nchw", "paddings": {"h": [1, 1], "w": [1, 1]}}, "dst": "nChw8c"},
+        {"name": "to_strided", "op": "reorder", "shape": [2, 30, 5, 7], "src": "nchw",
+         "dst": {"tag": "nChw16c", "strides": [3000, 1400, 200, 20, 1]}},
+        {"op": "zero_pad", "shape": [2, 30, 5, 7], "dtypes": ["float32", "bfloat16"], "layout": "nChw16c"},
+        {"name": "zero_pad_halo", "op": "zero_pad", "shape": [2, 30, 5, 7],
+         "layout": {"tag": "nChw16c", "paddings": {"h": [1, 2], "w": [3, 1]}}},
+        {"op": "zero_pad", "shape": [20, 30, 3, 3], "dtype": "int8", "layout": "OIhw4i16o4i"},
+        {"op": "zero_pad", "shape": [2, 32, 5, 7], "layout": "nChw16c"},
+    ],
+}
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("build")
+
+
+@pytest.fixture(scope="session")
+def reorder_lib_dir(build_dir):
+    out = build_dir / "reorders"
+    bp.build(parse_spec(REORDER_SPEC), "host", out, log=lambda m: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reorder_lib(reorder_lib_dir):
+    return bp.load(reorder_lib_dir)
+
+
+def random_array(shape, dtype, rng):
+    dt = bp.layout.numpy_dtype(dtype)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return rng.integers(max(info.min, -100), min(info.max, 100), size=shape).astype(dt)
+    return rng.standard_normal(shape).astype(dt)
+
+
+def garbage(n, dtype):
+    """A buffer full of NaN (floats) or all-ones bits (integers): what 'dirty' looks like."""
+    dt = bp.layout.numpy_dtype(dtype)
+    buf = bp.runtime.memory.aligned_empty(n, dt)
+    buf.view(np.uint8)[:] = 0xFF  # NaN for every float type, -1 / max for integers
+    return buf
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(int(os.environ.get("BLOCKPAD_TEST_SEED", "0")))
