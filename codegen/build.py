@@ -46,19 +46,22 @@ def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildR
 
     os.makedirs(out_dir, exist_ok=True)
     start = time.perf_counter()
-    funcs, kernels = {}, []
+    kernels = []
     n = len(spec.kernels)
     for i, req in enumerate(spec.kernels, 1):
         t0 = time.perf_counter()
-        try:
-            kernel = OPS[req.op].make(*req.layouts, name=req.name)
-            funcs[req.name] = schedule(kernel.func, target)
-        except BlockpadError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a TVM failure is reported with the kernel's name
-            raise BuildError(f"{req.name}: code generation failed: {e}") from e
-        kernels.append(kernel)
-        log(f"[{i}/{n}] {req.name}: generated and scheduled ({time.perf_counter() - t0:.2f} s)")
+        made = _generate(req.name, lambda: OPS[req.op].make(req.layout, req.name, req.policy,
+                                                            **dict(req.params)))
+        kernels += made
+        extra = f" + {len(made) - 1} stage kernel" if len(made) > 1 else ""
+        log(f"[{i}/{n}] {req.name}{extra}: generated ({time.perf_counter() - t0:.2f} s)")
+    kernels += _runtime_zero_pads(kernels)
+    funcs = {}
+    t0 = time.perf_counter()
+    for k in kernels:
+        funcs[k.name] = _generate(k.name, lambda: schedule(k.func, target))
+    log(f"scheduled {len(kernels)} kernels for {target.name} ({time.perf_counter() - t0:.2f} s)")
+    n = len(kernels)
 
     log(f"compiling {n} kernels for {target.name} ({target.description}) ...")
     t0 = time.perf_counter()
@@ -86,6 +89,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildR
         "tvm_version": mf.tvm_version(),
         "target": {"name": target.name, "tvm": target.tvm, "arch": target.arch,
                    "features": list(target.features)},
+        "policy": spec.policy,
         "kernels": [k.describe() for k in kernels],
     }
     mf.write(out_dir, manifest)
@@ -93,6 +97,34 @@ def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildR
     log(f"wrote {lib_path} ({size // 1024} KiB) and {mf.MANIFEST}: {n} kernels in "
         f"{time.perf_counter() - start:.1f} s")
     return BuildResult(out_dir, manifest, rebuilt=True)
+
+
+def _generate(name, make):
+    try:
+        return make()
+    except BlockpadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a TVM failure is reported with the kernel's name
+        raise BuildError(f"{name}: code generation failed: {e}") from e
+
+
+def _runtime_zero_pads(kernels):
+    """A zero-pad kernel for every padded layout a policy-aware kernel touches, so the runtime
+    can zero-pad where its policy says (on handle, lazily, before a source-trusting kernel,
+    ``cleanup``) with generated code rather than numpy."""
+    from .ops.reorder import zero_pad
+
+    have = {k.args[0].layout for k in kernels if k.op == "zero_pad"}
+    out = []
+    for k in kernels:
+        if k.contract is None:
+            continue
+        for a in k.args:
+            if a.layout.has_padding and a.layout not in have:
+                have.add(a.layout)
+                digest = hashlib.sha256(json.dumps(a.layout.describe(), sort_keys=True).encode())
+                out.append(zero_pad(a.layout, f"zero_pad__{a.layout.tag}_{digest.hexdigest()[:10]}"))
+    return out
 
 
 def build_key(spec: Spec, target: Target) -> str:

@@ -36,10 +36,14 @@ class Kernel:
     args: list[Arg]
     func: tirx.PrimFunc
     params: dict = field(default_factory=dict)
+    contract: dict | None = None   # the padding contract (codegen.policy.Plan.contract)
 
     def describe(self) -> dict:
-        return {"name": self.name, "op": self.op, "params": self.params,
-                "args": [a.describe() for a in self.args]}
+        d = {"name": self.name, "op": self.op, "params": self.params,
+             "args": [a.describe() for a in self.args]}
+        if self.contract is not None:
+            d["padding"] = self.contract
+        return d
 
 
 def movement_storage(dtype: str) -> str:

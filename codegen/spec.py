@@ -21,6 +21,7 @@ from blockpad.errors import BlockpadError, SpecError
 from blockpad.layout import Layout
 
 from .ops import OPS
+from .policy import DEFAULT_POLICY, check_policy
 
 _SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "s64",
           "int32": "s32", "int16": "s16", "int8": "s8", "uint64": "u64", "uint32": "u32",
@@ -31,16 +32,25 @@ _SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf1
 class KernelRequest:
     name: str
     op: str
-    layouts: tuple  # one Layout per tensor argument of the op
+    layouts: tuple      # (tensor name, Layout) pairs in the op's call order
+    params: tuple = ()  # (name, value) pairs, values JSON-able
+    policy: str = DEFAULT_POLICY
+
+    @property
+    def layout(self) -> dict:
+        return dict(self.layouts)
 
     def describe(self) -> dict:
-        return {"name": self.name, "op": self.op, "layouts": [l.describe() for l in self.layouts]}
+        return {"name": self.name, "op": self.op, "policy": self.policy,
+                "params": dict(self.params),
+                "layouts": {t: l.describe() for t, l in self.layouts}}
 
 
 @dataclass(frozen=True)
 class Spec:
     name: str
     kernels: tuple
+    policy: str = DEFAULT_POLICY
 
     def digest(self) -> str:
         text = json.dumps([k.describe() for k in self.kernels], sort_keys=True)
@@ -62,48 +72,56 @@ def parse_spec(doc: dict, where: str = "spec") -> Spec:
     entries = doc.get("kernel")
     if not isinstance(entries, list) or not entries:
         raise SpecError(f"{where}: expected one or more [[kernel]] tables; found none")
-    name = doc.get("library", {}).get("name", "kernels")
+    library = doc.get("library", {})
+    policy = check_policy(library.get("policy", DEFAULT_POLICY))
     kernels, seen = [], {}
     for i, entry in enumerate(entries):
-        for req in _expand(entry, f"{where}: kernel #{i + 1}"):
+        for req in _expand(entry, f"{where}: kernel #{i + 1}", policy):
             if req.name in seen:
                 raise SpecError(f"{where}: kernel #{i + 1} makes {req.name!r}, which kernel "
                                 f"#{seen[req.name]} already makes; give one a distinct name")
             seen[req.name] = i + 1
             kernels.append(req)
-    return Spec(name, tuple(kernels))
+    return Spec(library.get("name", "kernels"), tuple(kernels), policy)
 
 
-def _expand(entry: dict, where: str):
+def _expand(entry: dict, where: str, library_policy: str):
     op_name = entry.get("op")
     if op_name not in OPS:
         raise SpecError(f"{where}: op: expected one of {', '.join(OPS)}; got {op_name!r}")
     op = OPS[op_name]
-    known = {"op", "name", "shape", "shapes", "dtype", "dtypes", *op.tensors}
+    known = {"op", "name", "shape", "shapes", "dtype", "dtypes", "policy", *op.tensors, *op.params}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise SpecError(f"{where}: unknown key {', '.join(unknown)} for op {op_name!r}; "
                         f"expected {', '.join(sorted(known))}")
     shapes = _one_or_many(entry, "shape", "shapes", where)
     dtypes = _one_or_many(entry, "dtype", "dtypes", where, default=["float32"])
-    missing = [t for t in op.tensors if t not in entry]
-    if missing:
-        raise SpecError(f"{where}: op {op_name!r} needs a layout for {', '.join(missing)}")
+    policy = library_policy if op.policy_free else check_policy(entry.get("policy", library_policy))
+    params = {k: entry.get(k, v) for k, v in op.params.items()}
     combos = list(itertools.product(shapes, dtypes))
     if "name" in entry and len(combos) > 1:
         raise SpecError(f"{where}: 'name' names one kernel, but the entry expands to "
                         f"{len(combos)} (shapes x dtypes)")
     for shape, dtype in combos:
         try:
-            layouts = tuple(_layout(entry[t], shape, dtype) for t in op.tensors)
+            signature = op.shapes(shape, dtype, params)
+            layouts = []
+            for t in op.tensors:
+                if t not in signature:
+                    continue          # an optional tensor the parameters switched off
+                if t not in entry and t not in op.default_tags:
+                    raise SpecError(f"op {op_name!r} needs a layout for {t}")
+                layouts.append((t, _layout(entry.get(t, op.default_tags.get(t)), *signature[t])))
         except BlockpadError as e:
             raise SpecError(f"{where}: {e}") from None
-        name = entry.get("name") or _default_name(op_name, layouts)
+        layouts = tuple(layouts)
+        name = entry.get("name") or _default_name(op_name, layouts, params, op.params,
+                                                  None if op.policy_free else policy)
         if not name.isidentifier():
             raise SpecError(f"{where}: name must be a C identifier; got {name!r}")
-        yield KernelRequest(name, op_name, layouts)
-
-
+        yield KernelRequest(name, op_name, layouts, tuple(sorted(params.items())),
+                            policy)
 def _one_or_many(entry, one, many, where, default=None):
     if one in entry and many in entry:
         raise SpecError(f"{where}: give {one!r} or {many!r}, not both")
@@ -130,11 +148,17 @@ def _layout(value, shape, dtype) -> Layout:
     raise SpecError(f"layout: expected a tag string or a table with 'tag'; got {value!r}")
 
 
-def _default_name(op: str, layouts) -> str:
-    lay = layouts[0]
-    parts = [op, *(l.tag for l in layouts), _SHORT[lay.dtype], "x".join(map(str, lay.shape))]
+def _default_name(op: str, layouts, params, defaults, policy) -> str:
+    """``op_tags_dtype_shape``, plus a short hash of whatever else makes the kernel differ
+    (parameters, halos, strides, a policy other than the default)."""
+    lay = layouts[0][1]
+    parts = [op, *(l.tag for _, l in layouts), _SHORT[lay.dtype], "x".join(map(str, lay.shape))]
     name = "_".join(parts)
-    if any(l.describe().keys() - {"tag", "shape", "dtype"} for l in layouts):
-        extra = json.dumps([l.describe() for l in layouts], sort_keys=True)
-        name += "_" + hashlib.sha256(extra.encode()).hexdigest()[:8]
+    extra = {"layouts": [l.describe() for _, l in layouts
+                         if l.describe().keys() - {"tag", "shape", "dtype"}],
+             "params": {k: v for k, v in params.items() if v != defaults.get(k)},
+             "policy": policy if policy not in (None, DEFAULT_POLICY) else None}
+    if extra["layouts"] or extra["params"] or extra["policy"]:
+        text = json.dumps(extra, sort_keys=True, default=str)
+        name += "_" + hashlib.sha256(text.encode()).hexdigest()[:8]
     return name

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import tvm
 
-from . import x86
+from . import generic, x86
 
 RULES = {
-    "x86": x86.RULES,
+    "x86": [*x86.RULES, generic.Fallback()],
 }
 
 

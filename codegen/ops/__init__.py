@@ -1,21 +1,42 @@
 """Operators, each declared once over logical indices and instantiated for any layouts.
 
-``OPS`` is the table the build spec is checked against: which arguments of an op are tensors
-(each given a layout in the spec) and the function that declares the kernel."""
+``OPS`` is the table the build spec is checked against: an op's tensor arguments (in call
+order, the destination last), its parameters with their defaults, how the tensors' shapes and
+dtypes follow from the spec's ``shape``/``dtype`` and the parameters, and the function that
+declares its kernels."""
 
-from dataclasses import dataclass
+from __future__ import annotations
+
+from dataclasses import dataclass, field
 from typing import Callable
 
+from . import binary, eltwise
 from .reorder import reorder, zero_pad
+
+
+def same_shape(tensors):
+    """Signature of ops whose tensors all share the spec's shape and dtype."""
+    return lambda shape, dtype, params: {t: (tuple(shape), dtype) for t in tensors}
 
 
 @dataclass(frozen=True)
 class Op:
-    tensors: tuple      # argument names that take a layout, in call order
-    make: Callable      # make(*layouts, name=...) -> Kernel
+    tensors: tuple                       # tensor argument names, call order
+    make: Callable                       # make(layouts, name, policy, **params) -> [Kernel]
+    params: dict = field(default_factory=dict)   # parameter -> default
+    signature: Callable | None = None    # (shape, dtype, params) -> {tensor: (shape, dtype)}
+    default_tags: dict = field(default_factory=dict)   # tensors a spec may leave out
+    policy_free: bool = False            # data movement: the same code under every policy
+
+    def shapes(self, shape, dtype, params):
+        return (self.signature or same_shape(self.tensors))(shape, dtype, params)
 
 
 OPS = {
-    "reorder": Op(("src", "dst"), reorder),
-    "zero_pad": Op(("layout",), zero_pad),
+    "reorder": Op(("src", "dst"), lambda l, name, policy: [reorder(l["src"], l["dst"], name)],
+                  policy_free=True),
+    "zero_pad": Op(("layout",), lambda l, name, policy: [zero_pad(l["layout"], name)],
+                   policy_free=True),
+    "eltwise": Op(("src", "dst"), eltwise.make, eltwise.PARAMS),
+    "binary": Op(("src0", "src1", "dst"), binary.make, binary.PARAMS, binary.signature),
 }

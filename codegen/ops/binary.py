@@ -1,0 +1,44 @@
+"""Binary add and mul with numpy broadcasting (a source dim of 1 broadcasts)."""
+
+from __future__ import annotations
+
+from blockpad.errors import SpecError
+
+from ..policy import plan
+from .common import OpDef, Source, materialize, propagates_zero
+
+ALGORITHMS = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b}
+PARAMS = {"algorithm": "add", "shape1": None}
+
+
+def signature(shape, dtype, params):
+    """``shape`` is src0's; ``shape1`` (default: the same) is src1's, broadcast against it."""
+    shape0 = tuple(shape)
+    shape1 = tuple(params.get("shape1") or shape0)
+    if len(shape1) != len(shape0) or any(b not in (1, a) and a != 1 for a, b in zip(shape0, shape1)):
+        raise SpecError(f"binary: shape1 {shape1} does not broadcast against shape {shape0} "
+                        f"(same rank, each dim equal or 1)")
+    out = tuple(max(a, b) for a, b in zip(shape0, shape1))
+    return {"src0": (shape0, dtype), "src1": (shape1, dtype), "dst": (out, dtype)}
+
+
+def make(layouts, name, policy, algorithm="add", shape1=None):
+    if algorithm not in ALGORITHMS:
+        raise SpecError(f"binary algorithm: expected one of {', '.join(ALGORITHMS)}; got {algorithm!r}")
+    dst = layouts["dst"]
+
+    def opdef(mode):
+        a, b = Source("src0", layouts["src0"], mode), Source("src1", layouts["src1"], mode)
+
+        def value(*i):
+            return ALGORITHMS[algorithm](a(*_broadcast(i, a.layout.shape)),
+                                         b(*_broadcast(i, b.layout.shape)))
+
+        return OpDef("binary", [a, b], value, params={"algorithm": algorithm})
+
+    p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=False)
+    return materialize(opdef(p.reads), dst, p, name)
+
+
+def _broadcast(idx, shape):
+    return [0 if n == 1 else i for i, n in zip(idx, shape)]

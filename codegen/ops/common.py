@@ -1,0 +1,262 @@
+"""What every operator shares: reading sources by logical index, writing the destination under a
+padding plan, and deriving from the op's own TE whether its arithmetic keeps padding zero.
+
+An operator is written once, over logical indices (oneDNN's semantics):
+
+    def relu(x):                              # x is a Source
+        return lambda n, c, h, w: tirx.max(x(n, c, h, w), 0)
+
+and ``materialize`` turns that into a kernel for any source and destination layouts: the index
+maps place every read and write, the plan decides what happens in the padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, te, tirx
+from tvm.sym.analyzer import Analyzer
+
+from blockpad.layout import Layout
+
+from ..kernel import Arg, Kernel, finish
+from ..policy import Plan
+
+
+class Source:
+    """A kernel input read by logical index.
+
+    A read may lie outside the logical tensor: a convolution window over the border, or a
+    destination padding element computed under the ``full`` plan. Such reads return ``pad`` (the
+    value the consumer needs there: 0 for a sum, -inf for a max). Whether that costs a bounds
+    check in the generated code depends on the layout and the mode:
+
+    * ``trusted``: padding and halo that exist in the buffer are read as they are (they are
+      clean: zero), so a source laid out with a halo is read with no bounds check at all
+      (Arm Compute Library style pre-padded input); only reads beyond the buffer, or into padding
+      when ``pad`` is not zero, are guarded.
+    * ``masked``: every read that can land on padding is guarded (the ``src`` policy: source
+      padding may hold garbage).
+    """
+
+    def __init__(self, name: str, layout: Layout, mode: str = "trusted", storage: str | None = None):
+        self.name, self.layout, self.mode = name, layout, mode
+        self.storage = storage or layout.dtype
+        self.tensor = te.placeholder(layout.physical_shape, self.storage, name)
+        self.bounds: dict = {}   # var -> (min, max), filled by materialize for range analysis
+
+    @property
+    def dtype(self):
+        return self.storage
+
+    def __call__(self, *idx, pad=0):
+        lay = self.layout
+        guards = []
+        for d, x in enumerate(idx):
+            lo, hi = _bounds(x, self.bounds)
+            before, after = lay.paddings[d]
+            in_buffer = lo >= -before and hi < lay.padded_shape[d] + after
+            in_logical = lo >= 0 and hi < lay.shape[d]
+            if in_logical:
+                continue
+            if self.mode == "trusted" and in_buffer and _is_zero_const(pad):
+                continue   # clean padding or halo in the buffer reads as the pad value itself
+            if lo < 0:
+                guards.append(x >= 0)
+            if hi >= lay.shape[d]:
+                guards.append(x < lay.shape[d])
+        load = self.tensor(*lay.to_physical(idx))
+        if not guards:
+            return load
+        return tirx.if_then_else(tirx.all(*guards), load, tirx.const(pad, self.dtype))
+
+
+@dataclass
+class OpDef:
+    """An operator instantiated for concrete layouts, ready to be materialised.
+
+    ``value(*idx)`` gives the destination element at logical ``idx``; when ``reduce`` is true it
+    returns a ``te.sum``/``te.max`` (TE wants reductions at the top of a stage) and ``epilogue``
+    (post-ops: bias, eltwise, sum) is applied to the reduced value in a second, fused stage.
+    ``reads_padding``: valid outputs depend on source padding (a reduction over padded blocks
+    relying on zero padding), so such sources must be clean or be zero-padded first.
+    """
+
+    op: str
+    sources: Sequence[Source]
+    value: Callable
+    reduce: bool = False
+    epilogue: Callable | None = None
+    reads_padding: bool = False
+    params: dict | None = None
+    axes: Sequence = ()         # the te.reduce_axis the value uses (their ranges bound reads)
+    extra_args: Sequence = ()   # (te.Tensor, Arg) pairs that are not layouts' sources (scales)
+
+
+def propagates_zero(opdef: OpDef, dst: Layout) -> bool:
+    """Derived from the TE: with zero source padding, is the op's value zero at every
+    destination padding element? Each padded region of the destination is checked symbolically:
+    the logical index along the padded dim is constrained to the padding, sources are read with
+    their padding as zero, and TVM's simplifier must reduce the value to the constant 0.
+    relu(0), a*0 and a bias-free convolution against zero weight padding pass; sigmoid(0),
+    exp(0), a*x+b with b != 0 and a convolution with bias do not."""
+    masked = [_as_masked(s) for s in opdef.sources]
+    opdef_masked = OpDef(**{**opdef.__dict__, "sources": masked})
+    idx = [tirx.Var(f"i{d}", "int32") for d in range(dst.rank)]
+    for d in range(dst.rank):
+        before, after = dst.paddings[d]
+        regions = []
+        if dst.padded_shape[d] != dst.shape[d] or after:
+            regions.append((dst.shape[d], dst.padded_shape[d] + after - 1))
+        if before:
+            regions.append((-before, -1))
+        for lo, hi in regions:
+            bounds = {v: (0, n - 1) for v, n in zip(idx, dst.shape)}
+            bounds[idx[d]] = (lo, hi)
+            if not _value_is_zero(opdef_masked, idx, bounds):
+                return False
+    return True
+
+
+def materialize(opdef: OpDef, dst: Layout, plan: Plan, name: str,
+                out_storage: str | None = None) -> list[Kernel]:
+    """The kernel computing ``opdef`` into ``dst`` as ``plan`` says, plus, under ``dst_stage``,
+    the separate zero-pad kernel the runtime runs after it.
+
+    A reduction takes two stages, ``acc`` (the reduction, in the accumulator type) and ``dst``
+    (epilogue, cast and padding store); schedules fuse the second into the first's tiles."""
+    out_storage = out_storage or dst.dtype
+    bounds = {ax.var: (int(ax.dom.min), int(ax.dom.min + ax.dom.extent) - 1) for ax in opdef.axes}
+    for s in opdef.sources:
+        s.bounds = bounds
+
+    def logical(p):
+        bounds.update({v: (0, n - 1) for v, n in zip(p, dst.physical_shape)})
+        return dst.to_logical(p)
+
+    stages = []
+    if opdef.reduce:
+        acc = te.compute(dst.physical_shape, lambda *p: opdef.value(*logical(p)), name="acc")
+        stages.append(acc)
+
+        def value(p):
+            return acc(*p)
+    else:
+        def value(p):
+            return opdef.value(*logical(p))
+
+    def finished(p):
+        v = value(p)
+        if opdef.epilogue is not None:
+            v = opdef.epilogue(v, logical(p))
+        v = _cast(v, out_storage)
+        if plan.dst_writes == "select" and dst.has_padding:
+            v = tirx.Select(dst.is_padding(p), tirx.const(0, out_storage), v)
+        return v
+
+    out = te.compute(dst.physical_shape, lambda *p: finished(p), name="dst")
+    extra_tensors = [t for t, _ in opdef.extra_args]
+    func = te.create_prim_func([*[s.tensor for s in opdef.sources], *extra_tensors, out])
+    if plan.dst_writes == "valid" and dst.has_padding:
+        func = _predicate_valid(func, dst, {"dst", "acc"})
+    args = [Arg(s.name, s.layout, "in", s.storage) for s in opdef.sources]
+    args += [a for _, a in opdef.extra_args]
+    args.append(Arg("dst", dst, "out", out_storage))
+    kernel = finish(func, name, opdef.op, args)
+    kernel.params = dict(opdef.params or {})
+    kernel.contract = plan.contract()
+    kernels = [kernel]
+    if plan.dst_stage and dst.has_padding:
+        from .reorder import zero_pad
+
+        kernels.append(zero_pad(dst, f"{name}__zero_pad_dst"))
+        kernel.contract["dst_stage"] = kernels[-1].name
+    else:
+        kernel.contract["dst_stage"] = None
+    return kernels
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+def _as_masked(s: Source) -> Source:
+    m = Source.__new__(Source)
+    m.__dict__.update(s.__dict__)
+    m.mode = "masked"
+    return m
+
+
+def _value_is_zero(opdef: OpDef, idx, bounds) -> bool:
+    bounds = {**bounds, **{ax.var: (int(ax.dom.min), int(ax.dom.min + ax.dom.extent) - 1)
+                           for ax in opdef.axes}}
+    for s in opdef.sources:
+        s.bounds = bounds
+    ana = Analyzer()
+    for v, (lo, hi) in bounds.items():
+        ana.bind(v, tvm.ir.Range(lo, hi + 1))
+    val = opdef.value(*idx)
+    if opdef.reduce:
+        zero = _reduce_is_zero(val, ana)
+        if opdef.epilogue is None:
+            return zero
+        acc = tirx.const(0, dtype_of(val)) if zero else tirx.Var("acc", dtype_of(val))
+        val = opdef.epilogue(acc, idx)
+    return _is_zero_const(ana.simplify(val))
+
+
+def _reduce_is_zero(red, ana: Analyzer) -> bool:
+    if not isinstance(red, tirx.Reduce):
+        return _is_zero_const(ana.simplify(red))
+    identity = red.combiner.identity_element
+    if not all(_is_zero_const(i) for i in identity):
+        return False            # a max over padding is not zero
+    for axis in red.axis:
+        ana.bind(axis.var, axis.dom)
+    return all(_is_zero_const(ana.simplify(s)) for s in red.source)
+
+
+def _is_zero_const(e) -> bool:
+    if isinstance(e, (int, float)):
+        return e == 0
+    return isinstance(e, (tirx.IntImm, tirx.FloatImm)) and e.value == 0
+
+
+def _bounds(x, known: dict):
+    """Integer bounds of an index expression over the ranges of the loop and reduce vars."""
+    if isinstance(x, int):
+        return x, x
+    ana = Analyzer()
+    for v, (lo, hi) in known.items():
+        ana.bind(v, tvm.ir.Range(lo, hi + 1))
+    b = ana.const_int_bound(x)
+    return b.min_value, b.max_value
+
+
+def dtype_of(expr) -> str:
+    """Element type of a TVM expression (0.27 keeps it on the expression's type)."""
+    return str(expr.ty.dtype)
+
+
+def _cast(value, dtype):
+    if dtype is None or dtype_of(value) == dtype:
+        return value
+    return value.astype(dtype)
+
+
+def _predicate_valid(func, dst: Layout, blocks: set):
+    """Restrict the destination stages to logical elements: their block realizes get the
+    predicate ``not is_padding`` over the loop values, so padding is never written."""
+    def add(realize):
+        if realize.block.name_hint not in blocks:
+            return realize
+        valid = tirx.Not(dst.is_padding(list(realize.iter_values)))
+        pred = valid if _is_true(realize.predicate) else tirx.And(realize.predicate, valid)
+        return s_tir.SBlockRealize(realize.iter_values, pred, realize.block)
+
+    return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, add))
+
+
+def _is_true(e):
+    return isinstance(e, tirx.IntImm) and e.value == 1

@@ -1,0 +1,56 @@
+"""Elementwise functions: the eltwise op, and the eltwise post-op of convolution and matmul.
+
+Each algorithm is one expression of ``x`` (oneDNN's alpha/beta parameters where it has them).
+Whether it keeps padding zero is not recorded here: ``common.propagates_zero`` derives it."""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+
+from blockpad.errors import SpecError
+
+from ..policy import plan
+from .common import OpDef, Source, dtype_of, materialize, propagates_zero
+
+
+def _c(x, v):
+    return tirx.const(v, dtype_of(x))
+
+
+ALGORITHMS = {
+    "relu": lambda x, a, b: tirx.max(x, _c(x, 0)) if a == 0 else
+    tirx.Select(x > _c(x, 0), x, x * _c(x, a)),                        # alpha: leaky slope
+    "gelu_erf": lambda x, a, b: _c(x, 0.5) * x * (_c(x, 1) + tirx.erf(x * _c(x, 1 / math.sqrt(2)))),
+    "gelu_tanh": lambda x, a, b: _c(x, 0.5) * x * (_c(x, 1) + tirx.tanh(
+        _c(x, math.sqrt(2 / math.pi)) * (x + _c(x, 0.044715) * x * x * x))),
+    "sigmoid": lambda x, a, b: tirx.sigmoid(x),
+    "exp": lambda x, a, b: tirx.exp(x),
+    "tanh": lambda x, a, b: tirx.tanh(x),
+    "clip": lambda x, a, b: tirx.min(tirx.max(x, _c(x, a)), _c(x, b)),  # [alpha, beta]
+    "linear": lambda x, a, b: x * _c(x, a) + _c(x, b),                  # alpha * x + beta
+}
+
+PARAMS = {"algorithm": "relu", "alpha": 0.0, "beta": 0.0}
+
+
+def apply(algorithm: str, x, alpha=0.0, beta=0.0):
+    """The expression of ``algorithm`` on ``x`` (used by post-ops too)."""
+    if algorithm not in ALGORITHMS:
+        raise SpecError(f"eltwise algorithm: expected one of {', '.join(ALGORITHMS)}; "
+                        f"got {algorithm!r}")
+    return ALGORITHMS[algorithm](x, float(alpha), float(beta))
+
+
+def make(layouts, name, policy, algorithm="relu", alpha=0.0, beta=0.0):
+    src, dst = layouts["src"], layouts["dst"]
+    apply(algorithm, tirx.Var("x", "float32"), alpha, beta)   # reject unknown names early
+
+    def opdef(mode):
+        x = Source("src", src, mode)
+        return OpDef("eltwise", [x], lambda *i: apply(algorithm, x(*i), alpha, beta),
+                     params={"algorithm": algorithm, "alpha": alpha, "beta": beta})
+
+    p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=False)
+    return materialize(opdef(p.reads), dst, p, name)
