@@ -12,7 +12,8 @@ from blockpad.errors import ArgumentError, LoadError
 from blockpad.layout import Layout, numpy_dtype
 
 from . import manifest as mf
-from .memory import Memory
+from . import padding
+from .memory import Memory, aligned_empty, physical_view
 from .tvm_runtime import load_module
 
 
@@ -23,6 +24,7 @@ class Signature:
         self.name = entry["name"]
         self.op = entry["op"]
         self.params = entry.get("params", {})
+        self.padding = entry.get("padding")   # the padding contract; None for data movement
         self.args = [(a["name"], a["role"], Layout.from_dict(a["layout"]), a["storage"])
                      for a in entry["args"]]
 
@@ -32,21 +34,47 @@ class Signature:
 
 
 class Kernel:
-    def __init__(self, signature: Signature, func):
+    """One kernel of a library: checks its arguments, honours its padding contract, runs it."""
+
+    def __init__(self, signature: Signature, func, library):
         self.signature = signature
         self._func = func
+        self._library = library
 
     @property
     def name(self):
         return self.signature.name
 
-    def __call__(self, *args):
+    def __call__(self, *args, stream=None):
+        """Run on Memory objects, numpy arrays or DLPack tensors. With ``stream`` the call is
+        queued on it and an Event is returned; without, it runs now."""
         sig = self.signature
         if len(args) != len(sig.args):
             raise ArgumentError(f"{sig.name}: expected {len(sig.args)} arguments "
                                 f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
-        views = [_as_view(value, sig.name, *spec) for value, spec in zip(args, sig.args)]
-        _check_no_alias(sig, views)
+        mems = [_as_memory(value, sig.name, *spec) for value, spec in zip(args, sig.args)]
+        _check_no_alias(sig, [m.physical_view() for m in mems])
+        if stream is not None:
+            return stream.submit(self._run, mems)
+        self._run(mems)
+        return None
+
+    def _run(self, mems):
+        sig = self.signature
+        for m in mems:
+            m.wait()
+        sources = [m for m, a in zip(mems, sig.args) if a[1] == "in"]
+        contract = sig.padding
+        padding.before_call(contract, [m for m in sources if m.layout.has_padding])
+        self.run_raw([_kernel_view(m, spec) for m, spec in zip(mems, sig.args)])
+        stage = contract.get("dst_stage") if contract else None
+        for m, spec in zip(mems, sig.args):
+            if spec[1] != "in":
+                padding.after_call(contract, sources, m,
+                                   self._library[stage] if stage else None)
+
+    def run_raw(self, views):
+        """Call the compiled function on prepared views: no checks, no padding work."""
         self._func(*views)
 
     def __repr__(self):
@@ -60,16 +88,36 @@ class Library:
         self.path = path
         self.manifest = manifest
         self.target = manifest["target"]["name"]
+        self.policy = manifest.get("policy")
         self._module = module
         self.kernels = {k["name"]: Signature(k) for k in manifest["kernels"]}
         self._cache = {}
+        self._zero_pads = {s.args[0][2]: name for name, s in self.kernels.items()
+                           if s.op == "zero_pad"}
 
     def __getitem__(self, name) -> Kernel:
         if name not in self.kernels:
             raise KeyError(f"{name!r}: this library has kernels {', '.join(sorted(self.kernels))}")
         if name not in self._cache:
-            self._cache[name] = Kernel(self.kernels[name], self._module[name])
+            self._cache[name] = Kernel(self.kernels[name], self._module[name], self)
         return self._cache[name]
+
+    def zero_pad_kernel(self, layout: Layout):
+        """The generated zero-pad kernel for ``layout``, or None if the library has none."""
+        name = self._zero_pads.get(layout)
+        return self[name] if name else None
+
+    def memory(self, layout: Layout, buffer=None) -> Memory:
+        """A memory that follows this library's padding policy: under ``on_handle`` and
+        ``user`` it is zero-padded now (blocking), as oneDNN's memory constructor did; under
+        the other policies its padding is left alone (state ``unknown``) until a kernel or
+        the policy deals with it."""
+        if buffer is None:
+            buffer = aligned_empty(layout.alloc_len, numpy_dtype(layout.dtype))
+        mem = Memory(layout, np.asarray(buffer), library=self)
+        if self.policy in ("on_handle", "user"):
+            padding.zero_pad(mem, blocking=True)
+        return mem
 
     def __contains__(self, name):
         return name in self.kernels
@@ -93,21 +141,21 @@ def load(path) -> Library:
     return Library(path, manifest, module)
 
 
-def _as_view(value, kernel, name, role, layout: Layout, storage) -> np.ndarray:
-    """Turn one argument into the strided physical view the compiled kernel checks for."""
+def _as_memory(value, kernel, name, role, layout: Layout, storage) -> Memory:
+    """Turn one argument into a Memory of the kernel's layout (zero-copy for arrays that fit)."""
     where = f"{kernel}: argument {name!r}"
     if isinstance(value, Memory):
         if value.layout != layout:
             raise ArgumentError(f"{where}: expected layout {layout}; got {value.layout}")
-        return value.physical_view(storage)
+        if role != "in" and not value.buffer.flags.writeable:
+            raise ArgumentError(f"{where}: the kernel writes it, but its buffer is read-only")
+        return value
     array = _as_numpy(value, where)
     want = numpy_dtype(layout.dtype)
     if array.dtype != want:
         raise ArgumentError(f"{where}: expected dtype {layout.dtype}; got {array.dtype}")
-    if not array.flags.writeable:
-        if role != "in":
-            raise ArgumentError(f"{where}: the kernel writes it, but the array is read-only")
-        array = _readable_alias(array)
+    if role != "in" and not array.flags.writeable:
+        raise ArgumentError(f"{where}: the kernel writes it, but the array is read-only")
     if not array.flags.c_contiguous:
         raise ArgumentError(f"{where}: expected a C-contiguous array; got strides "
                             f"{array.strides} for shape {array.shape} (np.ascontiguousarray "
@@ -117,15 +165,15 @@ def _as_view(value, kernel, name, role, layout: Layout, storage) -> np.ndarray:
             raise ArgumentError(f"{where}: data at 0x{array.ctypes.data:x} is not aligned to its "
                                 f"{array.itemsize}-byte elements")
         array = np.array(array)  # an unaligned input is copied, never handed to vector code
-    if array.shape == layout.shape and layout.is_plain:
-        return array.reshape(layout.physical_shape).view(numpy_dtype(storage))
-    if array.shape == layout.physical_shape and layout.strides is None:
-        return array.view(numpy_dtype(storage))
+    fits = ((array.shape == layout.shape and layout.is_plain)
+            or (array.shape == layout.physical_shape and layout.strides is None))
+    if fits:
+        return Memory(layout, array.reshape(-1))
     if array.ndim == 1:
         if array.size < layout.alloc_len:
             raise ArgumentError(f"{where}: layout {layout} needs a buffer of {layout.alloc_len} "
                                 f"elements; got {array.size}")
-        return Memory(layout, array).physical_view(storage)
+        return Memory(layout, array)
     accepted = [f"a flat buffer of >= {layout.alloc_len} elements"]
     if layout.strides is None:
         accepted.insert(0, f"physical shape {layout.physical_shape}")
@@ -135,12 +183,17 @@ def _as_view(value, kernel, name, role, layout: Layout, storage) -> np.ndarray:
                         f"got shape {array.shape}")
 
 
+def _kernel_view(mem: Memory, spec) -> np.ndarray:
+    """The strided physical view of ``mem`` the compiled kernel checks for."""
+    buf = mem.buffer if mem.buffer.flags.writeable else _readable_alias(mem.buffer)
+    return physical_view(buf, mem.layout, spec[3])
+
+
 def _readable_alias(array: np.ndarray) -> np.ndarray:
-    """A writeable-flagged alias of a read-only input, because numpy refuses to export read-only
-    arrays through DLPack. Only ``in`` arguments get one, and kernels never store to those."""
+    """A writeable-flagged alias of a read-only flat input buffer, because numpy refuses to
+    export read-only arrays through DLPack. Only ``in`` arguments get one, and kernels never store to those."""
     raw = (ctypes.c_byte * max(array.nbytes, 1)).from_address(array.ctypes.data)
-    alias = np.frombuffer(raw, array.dtype, array.size).reshape(array.shape)
-    return alias
+    return np.frombuffer(raw, array.dtype, array.size)
 
 
 def _as_numpy(value, where) -> np.ndarray:

@@ -18,30 +18,79 @@ def aligned_empty(n: int, dtype) -> np.ndarray:
     return raw[start:start + n * dtype.itemsize].view(dtype)
 
 
+CLEAN, DIRTY, UNKNOWN = "clean", "dirty", "unknown"
+
+
 class Memory:
-    """``layout`` + a flat buffer of at least ``layout.alloc_len`` elements.
+    """``layout`` + a flat buffer of at least ``layout.alloc_len`` elements + the state of its
+    padding (``clean``: zero, ``dirty``: anything, ``unknown``).
 
-    Memories made here have their padding zeroed at creation (oneDNN's long-standing contract);
-    ``from_buffer`` wraps a caller's buffer as it is."""
+    ``Memory.empty``/``zeros``/``from_numpy`` zero the padding at creation (clean); a memory made
+    by ``Library.memory`` follows that library's padding policy instead, and so does its
+    ``set_data_handle``. ``from_buffer`` wraps a caller's buffer as it is (state unknown)."""
 
-    def __init__(self, layout: Layout, buffer: np.ndarray):
+    def __init__(self, layout: Layout, buffer: np.ndarray, state: str = UNKNOWN, library=None):
         if not isinstance(layout, Layout):
             raise ArgumentError(f"layout: expected a blockpad.Layout; got {type(layout).__name__}")
         self.layout = layout
         self.buffer = _check_buffer(buffer, layout)
+        self.state = state if layout.has_padding else CLEAN   # nothing to be dirty
+        self.library = library
+        self.pending = None          # Event of an asynchronous zero-pad still running
+
+    @property
+    def policy(self):
+        return self.library.policy if self.library is not None else None
+
+    def set_data_handle(self, buffer, clean: bool = False, stream=None):
+        """Point this memory at another buffer, as the library's policy says (seed 000/001):
+
+        * ``on_handle``: zero-pad now, on this thread (oneDNN's historical behaviour);
+        * ``user``: nothing if ``clean``; otherwise zero-pad on ``stream`` (returns the Event to
+          wait on) or, without a stream, now;
+        * the others: no work; the state becomes ``clean`` if the caller says so, else
+          ``unknown`` (``tracked`` zero-pads it later, only if a kernel needs it clean).
+
+        A read-only buffer is never written: if it must be zero-padded it is copied first."""
+        from .padding import zero_pad
+
+        self.wait()
+        self.buffer = _check_buffer(np.asarray(buffer), self.layout)
+        self.state = CLEAN if clean or not self.layout.has_padding else UNKNOWN
+        policy = self.policy
+        if policy == "on_handle" or (policy == "user" and not clean):
+            if stream is not None and policy == "user":
+                self.pending = stream.submit(zero_pad, self, False)
+                return self.pending
+            zero_pad(self, blocking=True)
+        return None
+
+    def wait(self):
+        """Wait for an asynchronous zero-pad of this memory, if one is running."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
+
+    def cleanup(self):
+        """Zero the padding now (seed 000 option 2.b's ``memory_cleanup``): for users who run
+        their own kernels on blocked buffers and may have written into the padding."""
+        from .padding import zero_pad
+
+        self.wait()
+        zero_pad(self, blocking=True)
 
     @classmethod
     def empty(cls, layout: Layout) -> Memory:
         """Uninitialised elements, zero padding."""
         buf = aligned_empty(layout.alloc_len, numpy_dtype(layout.dtype))
         buf[layout.padding_offsets()] = 0
-        return cls(layout, buf)
+        return cls(layout, buf, CLEAN)
 
     @classmethod
     def zeros(cls, layout: Layout) -> Memory:
         buf = aligned_empty(layout.alloc_len, numpy_dtype(layout.dtype))
         buf[...] = 0
-        return cls(layout, buf)
+        return cls(layout, buf, CLEAN)
 
     @classmethod
     def from_numpy(cls, array, layout: Layout) -> Memory:
@@ -69,17 +118,21 @@ class Memory:
 
     def physical_view(self, storage=None) -> np.ndarray:
         """The buffer seen as the layout's physical dims and strides, as kernels take it."""
-        buf = self.buffer if storage is None else self.buffer.view(numpy_dtype(storage))
-        return np.lib.stride_tricks.as_strided(
-            buf, self.layout.physical_shape,
-            [s * buf.itemsize for s in self.layout.physical_strides])
+        return physical_view(self.buffer, self.layout, storage)
 
     def padding_is_zero(self) -> bool:
         pad = self.buffer[self.layout.padding_offsets()]
         return bool(np.all(pad.view(np.uint8) == 0)) if pad.size else True
 
     def __repr__(self):
-        return f"Memory({self.layout}, {self.buffer.nbytes} bytes at 0x{self.buffer.ctypes.data:x})"
+        return (f"Memory({self.layout}, {self.buffer.nbytes} bytes at 0x{self.buffer.ctypes.data:x}, "
+                f"padding {self.state})")
+
+
+def physical_view(buffer: np.ndarray, layout: Layout, storage=None) -> np.ndarray:
+    buf = buffer if storage is None else buffer.view(numpy_dtype(storage))
+    return np.lib.stride_tricks.as_strided(
+        buf, layout.physical_shape, [s * buf.itemsize for s in layout.physical_strides])
 
 
 def _check_buffer(buffer, layout: Layout) -> np.ndarray:

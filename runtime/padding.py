@@ -1,0 +1,69 @@
+"""Running zero-pads, and the padding contract around every kernel call.
+
+The build records, per kernel, what it requires of its sources' padding and what it leaves in
+its destination's (codegen.policy.Plan.contract). This module is where the runtime honours it:
+which zero-pads run before and after a kernel, and which state each memory is left in."""
+
+from __future__ import annotations
+
+import time
+
+from . import counters
+from .memory import CLEAN, DIRTY, Memory, aligned_empty
+
+
+def zero_pad(mem: Memory, blocking: bool = False) -> None:
+    """Zero ``mem``'s padding with its library's generated zero-pad kernel (numpy if it has
+    none for this layout), counting the pass. A read-only buffer is copied, never written."""
+    lay = mem.layout
+    if not lay.has_padding:
+        mem.state = CLEAN
+        return
+    if not mem.buffer.flags.writeable:
+        copy = aligned_empty(mem.buffer.size, mem.buffer.dtype)
+        copy[...] = mem.buffer
+        mem.buffer = copy
+    start = time.perf_counter()
+    kernel = mem.library.zero_pad_kernel(lay) if mem.library is not None else None
+    if kernel is not None:
+        kernel.run_raw([mem.physical_view(kernel.signature.args[0][3])])
+    else:
+        mem.buffer[lay.padding_offsets()] = 0
+    counters.record(len(lay.padding_offsets()) * lay.itemsize, time.perf_counter() - start,
+                    blocking)
+    mem.state = CLEAN
+
+
+def before_call(contract: dict | None, sources: list) -> None:
+    """Zero-pad the sources the kernel needs clean and may not have clean, per the policy.
+
+    ``tracked``: only memories whose state is not already clean; ``src`` with a source stage:
+    every padded source, every call (that policy keeps no state)."""
+    if not contract or contract["requires"] != "clean":
+        return
+    policy = contract["policy"]
+    for mem in sources:
+        if policy == "tracked" and mem.state != CLEAN:
+            zero_pad(mem)
+        elif policy == "src" and contract["src_stage"]:
+            zero_pad(mem)
+
+
+def after_call(contract: dict | None, sources: list, dst: Memory, stage) -> None:
+    """Run the destination stage, if any, and record the destination's padding state."""
+    if stage is not None:
+        _run_stage(stage, dst)
+    produces = contract["produces"] if contract else CLEAN   # reorders and zero-pads: clean
+    if produces == "preserved":
+        return
+    if produces == "inherit":
+        produces = CLEAN if all(m.state == CLEAN for m in sources) else DIRTY
+    dst.state = produces
+
+
+def _run_stage(kernel, dst: Memory) -> None:
+    start = time.perf_counter()
+    kernel.run_raw([dst.physical_view(kernel.signature.args[0][3])])
+    lay = dst.layout
+    counters.record(len(lay.padding_offsets()) * lay.itemsize, time.perf_counter() - start, False)
+

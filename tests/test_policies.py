@@ -1,0 +1,201 @@
+"""The six padding policies: the generated code differs as DESIGN.md's table says, the
+manifest records each kernel's contract, the runtime honours it, and every policy computes the
+same numbers."""
+
+import numpy as np
+import pytest
+
+import blockpad as bp
+from blockpad.codegen.ops import OPS
+from blockpad.codegen.policy import POLICIES
+from blockpad.codegen.spec import parse_spec
+from blockpad.runtime import counters
+from blockpad.runtime.stream import Stream
+
+SHAPE = (2, 30, 3, 5)
+BLK = bp.Layout("nChw16c", SHAPE)
+
+
+def _spec(policy):
+    return {"library": {"policy": policy}, "kernel": [
+        {"op": "eltwise", "name": "relu", "shape": list(SHAPE), "src": "nChw16c", "dst": "nChw16c"},
+        {"op": "eltwise", "name": "sigmoid", "shape": list(SHAPE), "src": "nChw16c",
+         "dst": "nChw16c", "algorithm": "sigmoid"},
+        {"op": "binary", "name": "scale", "shape": list(SHAPE), "shape1": [1, 30, 1, 1],
+         "src0": "nChw16c", "src1": "nchw", "dst": "nChw8c", "algorithm": "mul"},
+        {"op": "reorder", "name": "pack", "shape": list(SHAPE), "src": "nchw", "dst": "nChw16c"},
+        {"op": "reorder", "name": "unpack", "shape": list(SHAPE), "src": "nChw16c", "dst": "nchw"},
+    ]}
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    out = {}
+    for policy in POLICIES:
+        d = tmp_path_factory.mktemp(policy)
+        bp.build(parse_spec(_spec(policy)), "host", d, log=lambda m: None)
+        out[policy] = bp.load(d)
+    return out
+
+
+def _kernel_tir(policy, name):
+    req = next(k for k in parse_spec(_spec(policy)).kernels if k.name == name)
+    return [k.func.script() for k in OPS[req.op].make(req.layout, req.name, req.policy,
+                                                        **dict(req.params))]
+
+
+# ---- what the generator emits ---------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_generated_stages_differ_by_policy(policy):
+    relu = _kernel_tir(policy, "relu")
+    sigmoid = _kernel_tir(policy, "sigmoid")
+    main, *stages = sigmoid
+    has_select = "T.Select(" in main
+    predicated = "T.where(" in main
+    masked_read = "T.if_then_else(" in main
+    if policy == "dst_fused":
+        # relu(0) == 0: the padding is computed as is; sigmoid(0) != 0: an explicit zero store
+        assert "T.Select(" not in relu[0] and "T.where(" not in relu[0] and len(relu) == 1
+        assert has_select and not predicated and not stages
+    elif policy == "dst_stage":
+        assert predicated and not has_select
+        assert len(stages) == 1 and "T.float32(0.0)" in stages[0]   # the separate zero-pad
+    elif policy in ("on_handle", "user"):
+        assert predicated and not has_select and not stages         # padding left as set
+    elif policy == "src":
+        assert masked_read and not predicated and not has_select and not stages
+    else:  # tracked: the cheapest code, no select, no predicate, no stage
+        assert not (has_select or predicated or masked_read or stages)
+
+
+def test_contract_in_manifest(libs):
+    sig = libs["dst_fused"].kernels["sigmoid"]
+    assert sig.padding["policy"] == "dst_fused"
+    assert sig.padding["dst_writes"] == "select" and sig.padding["produces"] == "clean"
+    assert libs["dst_fused"].kernels["relu"].padding["dst_writes"] == "full"
+    assert libs["dst_stage"].kernels["relu"].padding["dst_stage"] == "relu__zero_pad_dst"
+    assert libs["src"].kernels["relu"].padding["requires"] == "any"
+    assert libs["tracked"].kernels["sigmoid"].padding["produces"] == "dirty"
+    assert libs["tracked"].kernels["relu"].padding["produces"] == "inherit"
+    assert libs["on_handle"].kernels["relu"].padding["produces"] == "preserved"
+    assert libs["dst_fused"].kernels["pack"].padding is None   # reorders: same under all
+
+
+# ---- every policy computes the same numbers ---------------------------------------------------
+
+def _chain(lib, x, y):
+    """pack -> relu -> sigmoid -> scale -> (reorder back in numpy): memories from the library."""
+    a, b, c = (lib.memory(BLK) for _ in range(3))
+    d = lib.memory(bp.Layout("nChw8c", SHAPE))
+    lib["pack"](x, a)
+    lib["relu"](a, b)
+    lib["sigmoid"](b, c)
+    lib["scale"](c, y, d)
+    return d
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_computes_the_same(libs, policy, rng):
+    x = rng.standard_normal(SHAPE).astype("float32")
+    y = rng.standard_normal((1, 30, 1, 1)).astype("float32")
+    want = 1 / (1 + np.exp(-np.maximum(x, 0))) * y
+    d = _chain(libs[policy], x, y)
+    assert np.allclose(d.to_numpy(), want, atol=1e-6)
+    if policy in ("on_handle", "user", "dst_fused", "dst_stage"):
+        assert d.padding_is_zero() and d.state == "clean"
+
+
+def test_zero_pad_counts_follow_the_policy(libs, rng):
+    x = rng.standard_normal(SHAPE).astype("float32")
+    y = rng.standard_normal((1, 30, 1, 1)).astype("float32")
+    calls = {}
+    for policy in POLICIES:
+        counters.reset()
+        _chain(libs[policy], x, y)
+        calls[policy] = counters.snapshot()
+    assert calls["on_handle"].calls == 4 and calls["on_handle"].blocking_calls == 4  # per memory
+    assert calls["user"].calls == 4                  # memory creation is synchronous there too
+    assert calls["dst_fused"].calls == 0             # kernels keep destinations clean
+    assert calls["dst_stage"].calls == 3             # relu, sigmoid and scale each get a stage
+    assert calls["src"].calls == 0                   # kernels mask; destinations may be dirty
+    assert calls["tracked"].calls == 0               # nothing here needs a clean source
+    assert calls["dst_stage"].bytes == 2 * (BLK.alloc_len - x.size) * 4 + (2 * 32 * 15 - x.size) * 4
+
+
+# ---- runtime behaviour of the policies ----------------------------------------------------------
+
+def test_tracked_states_and_lazy_cleanup(libs, rng):
+    lib = libs["tracked"]
+    x = rng.standard_normal(SHAPE).astype("float32")
+    a, b = lib.memory(BLK), lib.memory(BLK)
+    assert a.state == "unknown"
+    lib["pack"](x, a)
+    assert a.state == "clean"             # reorders write zero padding
+    lib["sigmoid"](a, b)
+    assert b.state == "dirty"             # sigmoid(0) = 0.5 landed in the padding
+    lib["relu"](b, a)
+    assert a.state == "dirty"             # relu inherits its source's dirt
+    counters.reset()
+    a.cleanup()
+    assert a.state == "clean" and a.padding_is_zero() and counters.snapshot().calls == 1
+
+
+def test_user_policy_set_data_handle_on_a_stream(libs, rng):
+    lib = libs["user"]
+    x = rng.standard_normal(SHAPE).astype("float32")
+    mem = lib.memory(BLK)
+    dirty = bp.Memory.from_numpy(x, BLK).buffer.copy()
+    dirty[BLK.padding_offsets()] = np.nan
+    stream = Stream("test")
+    counters.reset()
+    event = mem.set_data_handle(dirty, stream=stream)
+    assert event is not None
+    event.wait()
+    assert mem.padding_is_zero() and mem.state == "clean"
+    assert counters.snapshot().blocking_calls == 0 and counters.snapshot().calls == 1
+    assert mem.set_data_handle(dirty.copy(), clean=True) is None   # the caller vouches: no work
+    assert counters.snapshot().calls == 1
+    out = lib.memory(BLK)
+    done = lib["relu"](bp.Memory.from_numpy(x, BLK), out, stream=stream)   # kernels queue too
+    stream.wait()
+    assert done.done and np.allclose(out.to_numpy(), np.maximum(x, 0))
+
+
+def test_on_handle_zero_pads_at_set_data_handle(libs, rng):
+    lib = libs["on_handle"]
+    mem = lib.memory(BLK)
+    buf = np.full(BLK.alloc_len, np.nan, "float32")
+    counters.reset()
+    assert mem.set_data_handle(buf) is None
+    assert mem.padding_is_zero() and counters.snapshot().blocking_calls == 1
+
+
+def test_read_only_buffer_is_never_written(libs, rng):
+    lib = libs["on_handle"]
+    const = np.full(BLK.alloc_len, 7.0, "float32")
+    const.setflags(write=False)
+    mem = lib.memory(BLK)
+    mem.set_data_handle(const)
+    assert np.all(const == 7.0)                       # the caller's constant is untouched
+    assert mem.padding_is_zero() and mem.buffer is not const
+
+
+def test_src_policy_tolerates_dirty_sources(libs, rng):
+    lib = libs["src"]
+    x = rng.standard_normal(SHAPE).astype("float32")
+    src = bp.Memory.from_numpy(x, BLK)
+    src.buffer[BLK.padding_offsets()] = np.nan
+    out = lib.memory(BLK)
+    lib["relu"](src, out)
+    assert np.array_equal(out.to_numpy(), np.maximum(x, 0))
+    assert out.padding_is_zero()   # relu of masked (zero) padding: clean, as the contract says
+    assert out.state == "clean"
+
+
+def test_cleanup_for_custom_kernels():
+    """dst_stage's public companion (seed 000 option 2.b): users zero the padding they spoiled."""
+    mem = bp.Memory.from_numpy(np.ones(SHAPE, "float32"), BLK)
+    mem.buffer[BLK.padding_offsets()] = 3.0   # a user's own kernel wrote the padding
+    mem.cleanup()
+    assert mem.padding_is_zero() and np.all(mem.to_numpy() == 1)
