@@ -29,11 +29,19 @@ def main(argv=None) -> int:
     p.set_defaults(run=_info)
 
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
-    p.add_argument("what", choices=["reorder"])
+    p.add_argument("what", choices=["reorder", "ops"])
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
     p.set_defaults(run=_bench)
+
+    p = sub.add_parser("report", help="run a measured report")
+    p.add_argument("what", choices=["padding"])
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--png", metavar="FILE", default="report_padding.png", help="plot file")
+    p.add_argument("--iterations", type=int, default=10, help="timed runs of the chain")
+    p.add_argument("--hw", type=int, default=28, help="spatial size of the chain's tensors")
+    p.set_defaults(run=_report)
 
     args = parser.parse_args(argv)
     try:
@@ -71,7 +79,18 @@ def _info(args):
         print(" ", Signature(k))
 
 
+def _report(args):
+    from .report import padding
+
+    padding.main(args.json, args.png, args.iterations, args.hw)
+
+
 def _bench(args):
+    if args.what == "ops":
+        from .bench import ops
+
+        ops.main(repeat=args.repeat, threads=args.threads)
+        return
     from .bench import reorder
 
     reorder.main(repeat=args.repeat, threads=args.threads, quick=args.quick)

@@ -107,16 +107,15 @@ class Library:
         name = self._zero_pads.get(layout)
         return self[name] if name else None
 
-    def memory(self, layout: Layout, buffer=None) -> Memory:
-        """A memory that follows this library's padding policy: under ``on_handle`` and
-        ``user`` it is zero-padded now (blocking), as oneDNN's memory constructor did; under
-        the other policies its padding is left alone (state ``unknown``) until a kernel or
-        the policy deals with it."""
+    def memory(self, layout: Layout, buffer=None, clean: bool = False, stream=None) -> Memory:
+        """A memory that follows this library's padding policy, as if made by
+        ``Memory.set_data_handle(buffer, clean, stream)`` (see there): under ``on_handle`` and
+        ``user`` a new memory is zero-padded now, as oneDNN's memory constructor did; under the
+        other policies its padding is left alone (state ``unknown`` unless ``clean``)."""
         if buffer is None:
             buffer = aligned_empty(layout.alloc_len, numpy_dtype(layout.dtype))
         mem = Memory(layout, np.asarray(buffer), library=self)
-        if self.policy in ("on_handle", "user"):
-            padding.zero_pad(mem, blocking=True)
+        mem.set_data_handle(mem.buffer, clean=clean, stream=stream)
         return mem
 
     def __contains__(self, name):

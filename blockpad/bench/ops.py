@@ -1,0 +1,96 @@
+"""``blockpad bench ops``: what padding costs, per op and policy, and memory-bound ops against
+PyTorch, all measured in one run with interleaved contenders.
+
+1. Per op, the same kernel on 1x250x56x56 (channels padded to 256) under ``dst_fused`` and
+   ``dst_stage`` (the stage kernel included), against 1x256x56x56 that needs no padding: the
+   padded tensors are the same size, so the ratio is the cost of handling the padding.
+2. gelu and channel softmax on 1x256x56x56 fp32 against PyTorch (NCHW, ``dim=1``): blocked
+   layouts make the channel reduction contiguous.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .common import interleaved, table
+
+HW = 56
+OPS = {   # name -> spec fields (src/dst nChw16c)
+    "relu": {"op": "eltwise", "algorithm": "relu"},
+    "gelu_erf": {"op": "eltwise", "algorithm": "gelu_erf"},
+    "sigmoid": {"op": "eltwise", "algorithm": "sigmoid"},
+    "linear": {"op": "eltwise", "algorithm": "linear", "alpha": 2.0, "beta": 1.0},
+    "softmax": {"op": "softmax"},
+}
+
+
+def _spec(channels):
+    kernels = []
+    for name, fields in OPS.items():
+        for policy, c in (("nopad", channels[0]), ("dst_fused", channels[1]),
+                          ("dst_stage", channels[1])):
+            kernels.append({**fields, "name": f"{name}_{policy}", "shape": [1, c, HW, HW],
+                            "src": "nChw16c", "dst": "nChw16c",
+                            "policy": "dst_fused" if policy == "nopad" else policy})
+    return {"library": {"name": "bench-ops"}, "kernel": kernels}
+
+
+def main(repeat=7, threads=None, out_dir="build/bench-ops"):
+    if threads:
+        os.environ["TVM_NUM_THREADS"] = str(threads)
+    import blockpad as bp
+    from blockpad.codegen.spec import parse_spec
+    from blockpad.runtime.tvm_runtime import default_threads
+
+    lib = bp.load(bp.build(parse_spec(_spec((256, 250))), "host", out_dir).out_dir)
+    threads = int(os.environ.get("TVM_NUM_THREADS", default_threads()))
+    rng = np.random.default_rng(0)
+    print(f"\nbenchmark: padding cost per op, {threads} thread(s); median of {repeat} "
+          f"interleaved rounds")
+    rows = []
+    for name in OPS:
+        calls = {}
+        for variant in ("nopad", "dst_fused", "dst_stage"):
+            k = lib[f"{name}_{variant}"]
+            src_l, dst_l = k.signature.args[0][2], k.signature.args[-1][2]
+            src = bp.Memory.from_numpy(rng.standard_normal(src_l.shape).astype("float32"), src_l)
+            dst = bp.Memory.empty(dst_l)
+            calls[variant] = (lambda k=k, s=src, d=dst: k(s, d))
+        t = interleaved(calls, repeat)
+        rows.append([name, *(f"{1e6 * t[v]:.0f}" for v in t),
+                     f"{t['dst_fused'] / t['nopad']:.3f}", f"{t['dst_stage'] / t['nopad']:.3f}"])
+    print(table(rows, ["op", "C=256 us", "dst_fused C=250 us", "dst_stage C=250 us",
+                       "fused/nopad", "stage/nopad"]))
+    _vs_torch(lib, threads, repeat, rng)
+
+
+def _vs_torch(lib, threads, repeat, rng):
+    import blockpad as bp
+
+    try:
+        import torch
+    except ImportError:
+        print("\ntorch not installed: `pip install torch==2.13.0` for the PyTorch comparison")
+        return
+    torch.set_num_threads(threads)
+    x = rng.standard_normal((1, 256, HW, HW)).astype("float32")
+    lay = bp.Layout("nChw16c", x.shape)
+    src, dst = bp.Memory.from_numpy(x, lay), bp.Memory.empty(lay)
+    tx = torch.from_numpy(x)
+    contenders = {
+        "blockpad gelu (nChw16c)": lambda: lib["gelu_erf_nopad"](src, dst),
+        "torch gelu (NCHW)": lambda: torch.nn.functional.gelu(tx),
+        "blockpad softmax c (nChw16c)": lambda: lib["softmax_nopad"](src, dst),
+        "torch softmax dim=1 (NCHW)": lambda: torch.softmax(tx, dim=1),
+    }
+    t = interleaved(contenders, repeat)
+    nbytes = 2 * x.nbytes
+    rows = [[n, f"{1e6 * s:.0f}", f"{nbytes / s / 1e9:.1f}"] for n, s in t.items()]
+    print(f"\nbenchmark: memory-bound ops on 1x256x56x56 fp32 vs PyTorch {torch.__version__}, "
+          f"{threads} thread(s)")
+    print(table(rows, ["contender", "us", "GB/s"]))
+    names = list(t)
+    print(f"gelu: blockpad / torch = {t[names[1]] / t[names[0]]:.2f}x   "
+          f"softmax: blockpad / torch = {t[names[3]] / t[names[2]]:.2f}x  (speed-up, higher is better)")

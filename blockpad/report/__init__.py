@@ -1,0 +1,1 @@
+"""Reports that run real kernels and print measured tables (``blockpad report ...``)."""
