@@ -28,6 +28,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print the manifest")
     p.set_defaults(run=_info)
 
+    p = sub.add_parser("inspect", help="print what was generated for a built library")
+    p.add_argument("dir")
+    p.add_argument("--kernel", help="one kernel (default: all)")
+    kind = p.add_mutually_exclusive_group()
+    for k in ("tir", "asm", "ll", "cuda", "ptx"):
+        kind.add_argument(f"--{k}", dest="kind", action="store_const", const=k)
+    p.set_defaults(run=_inspect, kind="tir")
+
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
     p.add_argument("what", choices=["reorder", "ops"])
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
@@ -77,6 +85,12 @@ def _info(args):
           f"{len(manifest['kernels'])} kernels")
     for k in manifest["kernels"]:
         print(" ", Signature(k))
+
+
+def _inspect(args):
+    from .inspect import show
+
+    print(show(args.dir, args.kind, args.kernel))
 
 
 def _report(args):

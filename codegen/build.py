@@ -76,6 +76,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildR
         else:
             lib.export_library(tmp)
         os.replace(tmp, lib_path)
+        _write_sources(out_dir, funcs, lib)
     except Exception as e:  # noqa: BLE001
         raise BuildError(f"compiling for {target.name} failed: {e}") from e
     log(f"compiled in {time.perf_counter() - t0:.2f} s")
@@ -97,6 +98,23 @@ def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildR
     log(f"wrote {lib_path} ({size // 1024} KiB) and {mf.MANIFEST}: {n} kernels in "
         f"{time.perf_counter() - start:.1f} s")
     return BuildResult(out_dir, manifest, rebuilt=True)
+
+
+def _write_sources(out_dir, funcs, lib):
+    """What ``blockpad inspect`` shows: each kernel's scheduled TIR and the module's assembly
+    (a deployed library cannot regenerate them: the runtime has no compiler)."""
+    src = os.path.join(out_dir, "source")   # read by blockpad.inspect
+    os.makedirs(src, exist_ok=True)
+    for name, func in funcs.items():
+        with open(os.path.join(src, f"{name}.tir.py"), "w") as f:
+            f.write(func.script())
+    for fmt, ext in (("asm", "s"), ("ll", "ll")):
+        try:
+            text = lib.mod.inspect_source(fmt)
+        except Exception:  # noqa: BLE001 - a module kind without this format
+            continue
+        with open(os.path.join(src, f"kernels.{ext}"), "w") as f:
+            f.write(text)
 
 
 def _generate(name, make):

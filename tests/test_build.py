@@ -177,3 +177,16 @@ def test_cli_build_and_info(tmp_path):
     assert "zero_pad_nChw8c_f32_1x3x2x2(inout buf: nChw8c[1, 3, 2, 2] float32)" in info.stdout
     bad = run("build", str(tmp_path / "missing.toml"), "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "cannot read the spec" in bad.stderr
+
+
+def test_inspect_shows_tir_and_asm(reorder_lib_dir):
+    from blockpad.inspect import show
+
+    tir = show(reorder_lib_dir, "tir", "to_halo")
+    assert "def to_halo(" in tir and "T.parallel" in tir and "T.vectorized" in tir
+    asm = show(reorder_lib_dir, "asm", "to_halo")
+    assert "__tvm_ffi_to_halo" in asm and "__tvm_ffi_from_halo" not in asm
+    with pytest.raises(bp.LoadError, match="no kernel 'nope'"):
+        show(reorder_lib_dir, "tir", "nope")
+    with pytest.raises(bp.LoadError, match="has no cuda source"):
+        show(reorder_lib_dir, "cuda")

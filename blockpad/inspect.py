@@ -1,0 +1,47 @@
+"""``blockpad inspect``: the generated code of a built library, as the build saved it."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .errors import LoadError
+from .runtime import manifest as mf
+
+SOURCES = "source"
+_FILES = {"asm": "kernels.s", "ll": "kernels.ll", "cuda": "kernels.cu", "ptx": "kernels.ptx"}
+
+
+def show(out_dir, kind="tir", kernel=None) -> str:
+    manifest = mf.read(out_dir)
+    names = [k["name"] for k in manifest["kernels"]]
+    if kernel is not None and kernel not in names:
+        raise LoadError(f"{out_dir}: no kernel {kernel!r}; it has {', '.join(names)}")
+    src = os.path.join(out_dir, SOURCES)
+    if kind == "tir":
+        chosen = [kernel] if kernel else names
+        return "\n".join(_read(os.path.join(src, f"{n}.tir.py")) for n in chosen)
+    text = _read(os.path.join(src, _FILES[kind]), f"this library has no {kind} source "
+                                                  f"(target {manifest['target']['name']})")
+    return _functions_of(text, kernel, kind) if kernel else text
+
+
+def _read(path, missing=None) -> str:
+    if not os.path.isfile(path):
+        raise LoadError(missing or f"{path} is missing; rebuild the library with --force")
+    with open(path) as f:
+        return f.read()
+
+
+def _functions_of(text, kernel, kind) -> str:
+    """The parts of a module's source that belong to ``kernel`` (its entry and the functions
+    TVM derived from it, e.g. ``<kernel>_compute_`` and parallel bodies)."""
+    if kind == "asm":
+        blocks = re.split(r"(?m)^(?=\t\.type\t)", text)
+        return "".join(b for b in blocks if re.match(rf"\t\.type\t(__tvm_ffi_)?{kernel}\b|\t\.type\t{kernel}_", b))
+    if kind == "ll":
+        blocks = re.split(r"(?m)^(?=define )", text)
+        return "".join(b.split("\n}\n")[0] + "\n}\n" for b in blocks
+                       if re.match(rf"define [^@]*@(__tvm_ffi_)?{kernel}(_|\()", b))
+    pattern = re.compile(rf"(?ms)^(extern \"C\" __global__|\.visible \.entry).*?{kernel}.*?^\}}")
+    return "\n".join(m.group(0) for m in pattern.finditer(text))
