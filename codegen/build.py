@@ -17,6 +17,7 @@ from pathlib import Path
 from blockpad.errors import BlockpadError, BuildError
 from blockpad.runtime import manifest as mf
 
+from .kernel import alias_inplace, make_inplace
 from .ops import OPS
 from .spec import Spec, load_spec
 from .targets import Target, get_target
@@ -50,8 +51,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildR
     n = len(spec.kernels)
     for i, req in enumerate(spec.kernels, 1):
         t0 = time.perf_counter()
-        made = _generate(req.name, lambda: OPS[req.op].make(req.layout, req.name, req.policy,
-                                                            **dict(req.params)))
+        made = _generate(req.name, lambda: make_kernels(req))
         kernels += made
         extra = f" + {len(made) - 1} stage kernel" if len(made) > 1 else ""
         log(f"[{i}/{n}] {req.name}{extra}: generated ({time.perf_counter() - t0:.2f} s)")
@@ -59,7 +59,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildR
     funcs = {}
     t0 = time.perf_counter()
     for k in kernels:
-        funcs[k.name] = _generate(k.name, lambda: schedule(k.func, target))
+        funcs[k.name] = _generate(k.name, lambda: alias_inplace(schedule(k.func, target), k))
     log(f"scheduled {len(kernels)} kernels for {target.name} ({time.perf_counter() - t0:.2f} s)")
     n = len(kernels)
 
@@ -115,6 +115,17 @@ def _write_sources(out_dir, funcs, lib):
             continue
         with open(os.path.join(src, f"kernels.{ext}"), "w") as f:
             f.write(text)
+
+
+def make_kernels(req):
+    """The kernels of one spec request (the op's kernel, plus a stage kernel under dst_stage)."""
+    op = OPS[req.op]
+    params = dict(req.params)
+    inplace = params.pop("inplace", False)
+    kernels = op.make(req.layout, req.name, req.policy, **params)
+    if inplace:
+        kernels[0] = make_inplace(kernels[0], op.inplace)
+    return kernels
 
 
 def _generate(name, make):

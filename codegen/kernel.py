@@ -37,10 +37,12 @@ class Kernel:
     func: tirx.PrimFunc
     params: dict = field(default_factory=dict)
     contract: dict | None = None   # the padding contract (codegen.policy.Plan.contract)
+    inplace_of: int | None = None  # index of the source the result overwrites
 
     def describe(self) -> dict:
+        args = self.args if self.inplace_of is None else self.args[:-1]
         d = {"name": self.name, "op": self.op, "params": self.params,
-             "args": [a.describe() for a in self.args]}
+             "args": [a.describe() for a in args]}
         if self.contract is not None:
             d["padding"] = self.contract
         return d
@@ -64,6 +66,38 @@ def strided_buffer(layout: Layout, name: str, storage: str) -> tirx.Buffer:
     return tirx.decl_buffer(layout.physical_shape, storage, name,
                             strides=list(layout.physical_strides), offset_factor=1,
                             data_alignment=itemsize)
+
+
+def make_inplace(kernel: Kernel, source: str) -> Kernel:
+    """The same kernel writing its result over source ``source`` (seed 003's in-place ops):
+    the source becomes one ``inout`` argument and the destination parameter goes away. Valid
+    for ops whose every output element is computed from reads made before it is written
+    (elementwise, binary, softmax's final stage). The func itself is aliased after scheduling
+    (``alias_inplace``): schedule primitives want each stage to write a buffer of its own."""
+    *_, dst = kernel.args
+    src = next((a for a in kernel.args if a.name == source), None)
+    if src is None or dst.role != "out":
+        raise ValueError(f"{kernel.name}: no source {source!r} to compute in place over")
+    if src.layout != dst.layout or src.storage != dst.storage:
+        from blockpad.errors import SpecError
+
+        raise SpecError(f"{kernel.name}: in place needs {source} and dst in one layout; got "
+                        f"{src.layout} and {dst.layout}")
+    args = [Arg(a.name, a.layout, "inout", a.storage) if a is src else a for a in kernel.args]
+    params = {**kernel.params, "inplace": True}
+    return Kernel(kernel.name, kernel.op, args, kernel.func, params, kernel.contract,
+                  inplace_of=kernel.args.index(src))
+
+
+def alias_inplace(func: tirx.PrimFunc, kernel: Kernel) -> tirx.PrimFunc:
+    """Point the scheduled func's stores to its destination at the in-place source's buffer
+    and drop the destination parameter."""
+    if kernel.inplace_of is None:
+        return func
+    src_var, dst_var = func.params[kernel.inplace_of], func.params[-1]
+    body = tvm_ffi.structural_map(func.body,
+                                  (tirx.Var, lambda v: src_var if v.same_as(dst_var) else v))
+    return tirx.PrimFunc(list(func.params)[:-1], body, attrs=func.attrs)
 
 
 def finish(func: tirx.PrimFunc, name: str, op: str, args: list[Arg]) -> Kernel:

@@ -91,6 +91,8 @@ def _expand(entry: dict, where: str, library_policy: str):
         raise SpecError(f"{where}: op: expected one of {', '.join(OPS)}; got {op_name!r}")
     op = OPS[op_name]
     known = {"op", "name", "shape", "shapes", "dtype", "dtypes", "policy", *op.tensors, *op.params}
+    if op.inplace:
+        known.add("inplace")
     unknown = sorted(set(entry) - known)
     if unknown:
         raise SpecError(f"{where}: unknown key {', '.join(unknown)} for op {op_name!r}; "
@@ -99,6 +101,8 @@ def _expand(entry: dict, where: str, library_policy: str):
     dtypes = _one_or_many(entry, "dtype", "dtypes", where, default=["float32"])
     policy = library_policy if op.policy_free else check_policy(entry.get("policy", library_policy))
     params = {k: entry.get(k, v) for k, v in op.params.items()}
+    if entry.get("inplace"):
+        params["inplace"] = True
     combos = list(itertools.product(shapes, dtypes))
     if "name" in entry and len(combos) > 1:
         raise SpecError(f"{where}: 'name' names one kernel, but the entry expands to "

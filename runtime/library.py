@@ -63,7 +63,7 @@ class Kernel:
         sig = self.signature
         for m in mems:
             m.wait()
-        sources = [m for m, a in zip(mems, sig.args) if a[1] == "in"]
+        sources = [m for m, a in zip(mems, sig.args) if a[1] in ("in", "inout")]
         contract = sig.padding
         padding.before_call(contract, [m for m in sources if m.layout.has_padding])
         self.run_raw([_kernel_view(m, spec) for m, spec in zip(mems, sig.args)])

@@ -81,3 +81,43 @@ def test_case(libs, policy, case, rng):
         assert dst.padding_is_zero(), f"{policy}: padding promised clean is not zero"
     assert np.all(whole[:GUARD].view(np.uint32) == 0xFFFFFFFF)
     assert np.all(whole[-GUARD:].view(np.uint32) == 0xFFFFFFFF)
+
+
+INPLACE = [
+    {"op": "eltwise", "algorithm": "gelu_tanh", "src": "nChw16c", "dst": "nChw16c"},
+    {"op": "eltwise", "algorithm": "sigmoid", "src": "nChw8c", "dst": "nChw8c"},
+    {"op": "binary", "algorithm": "add", "src0": "nChw16c", "src1": "nChw16c", "dst": "nChw16c"},
+]
+
+
+@pytest.fixture(scope="module")
+def inplace_lib(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inplace")
+    kernels = [{**case, "name": f"inplace{i}", "shape": SHAPE, "inplace": True}
+               for i, case in enumerate(INPLACE)]
+    bp.build(parse_spec({"library": {"policy": "dst_fused"}, "kernel": kernels}), "host", d,
+             log=lambda m: None)
+    return bp.load(d)
+
+
+@pytest.mark.parametrize("case", range(len(INPLACE)))
+def test_inplace_kernels_overwrite_their_source(inplace_lib, case, rng):
+    kernel = inplace_lib[f"inplace{case}"]
+    roles = [role for _, role, _, _ in kernel.signature.args]
+    assert roles[0] == "inout" and "out" not in roles
+    mems, arrays = [], []
+    for _, _, layout, _ in kernel.signature.args:
+        x = rng.standard_normal(layout.shape).astype("float32")
+        arrays.append(x)
+        mems.append(bp.Memory.from_numpy(x, layout))
+    kernel(*mems)
+    want = REFERENCES[INPLACE[case]["op"]](INPLACE[case], *arrays)
+    np.testing.assert_allclose(mems[0].to_numpy(), want, rtol=2e-6, atol=2e-6)
+    assert mems[0].padding_is_zero()
+
+
+def test_inplace_needs_one_layout():
+    with pytest.raises(bp.SpecError, match="in place needs src and dst in one layout"):
+        bp.build(parse_spec({"kernel": [{"op": "eltwise", "name": "x", "shape": SHAPE,
+                                          "src": "nchw", "dst": "nChw16c", "inplace": True}]}),
+                 "host", "/nonexistent-never-built", log=lambda m: None)

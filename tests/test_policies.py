@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import blockpad as bp
-from blockpad.codegen.ops import OPS
+from blockpad.codegen.build import make_kernels
 from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
 from blockpad.runtime import counters
@@ -40,8 +40,7 @@ def libs(tmp_path_factory):
 
 def _kernel_tir(policy, name):
     req = next(k for k in parse_spec(_spec(policy)).kernels if k.name == name)
-    return [k.func.script() for k in OPS[req.op].make(req.layout, req.name, req.policy,
-                                                        **dict(req.params))]
+    return [k.func.script() for k in make_kernels(req)]
 
 
 # ---- what the generator emits ---------------------------------------------------------------

@@ -27,6 +27,7 @@ class Op:
     signature: Callable | None = None    # (shape, dtype, params) -> {tensor: (shape, dtype)}
     default_tags: dict = field(default_factory=dict)   # tensors a spec may leave out
     policy_free: bool = False            # data movement: the same code under every policy
+    inplace: str | None = None           # the source a spec's `inplace = true` overwrites
 
     def shapes(self, shape, dtype, params):
         return (self.signature or same_shape(self.tensors))(shape, dtype, params)
@@ -37,6 +38,7 @@ OPS = {
                   policy_free=True),
     "zero_pad": Op(("layout",), lambda l, name, policy: [zero_pad(l["layout"], name)],
                    policy_free=True),
-    "eltwise": Op(("src", "dst"), eltwise.make, eltwise.PARAMS),
-    "binary": Op(("src0", "src1", "dst"), binary.make, binary.PARAMS, binary.signature),
+    "eltwise": Op(("src", "dst"), eltwise.make, eltwise.PARAMS, inplace="src"),
+    "binary": Op(("src0", "src1", "dst"), binary.make, binary.PARAMS, binary.signature,
+                 inplace="src0"),
 }
