@@ -44,11 +44,10 @@ def _time(fn, n) -> float:
     return time.perf_counter() - t0
 
 
-def threaded_copy(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor):
-    """``np.copyto`` split over the pool's threads (numpy releases the GIL while it copies): one
-    thread of numpy does not reach the memory bandwidth that the kernels, run on every core,
-    can."""
-    parts = pool._max_workers
+def threaded_copy(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor, parts: int):
+    """``np.copyto`` split in ``parts`` run on the pool's threads (numpy releases the GIL while
+    it copies): one thread of numpy does not reach the memory bandwidth that the kernels, run on
+    every core, can."""
     bounds = np.linspace(0, src.size, parts + 1).astype(int)
     s, d = src.reshape(-1), dst.reshape(-1)
     chunks = [(d[a:b], s[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]

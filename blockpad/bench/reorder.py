@@ -3,23 +3,29 @@
 A reorder only moves bytes, so its yardstick is the memory system: the table gives GB/s (bytes
 read + bytes written, padding included, per second) for
 
-* ``blockpad``  the generated kernel, called through ``blockpad.load`` as a user would;
+* ``blockpad``  the generated kernel from ``blockpad.load``: the compiled function called on
+                the physical views that ``lib[name](src, dst)`` hands it, and
+  ``bp call``   the same through ``lib[name](src, dst)``, argument checks included (the
+                difference is the Python wrapper's cost per call);
 * ``numpy``     the same reorder in numpy into a preallocated output: ``np.copyto`` through a
                 transposed view of the blocked array (full channel blocks in one copy, the
                 partial last block in another, its padding lanes set to zero);
 * ``copy``      ``np.copyto`` of a buffer of the same bytes, on one thread (numpy's), and
   ``copy Nt``   split over the N threads the kernels use: the bandwidth a reorder can hope for;
-* ``torch``     ``x.to_mkldnn()`` / ``.to_dense()`` when torch is installed (oneDNN picks the
-                block for the CPU: 8 channels on AVX2, so its bytes differ a little from ours).
+* ``torch``     ``x.to_mkldnn()`` / ``.to_dense()`` when torch is installed: oneDNN's reorder,
+                allocating its output on each call; oneDNN picks the block for the CPU (16
+                channels with AVX-512, 8 with AVX2), so its bytes differ a little from ours.
 
 ``bp/copy`` divides blockpad's GB/s by the faster copy, ``bp/numpy`` by numpy's. The contenders
-are interleaved round by round (see ``common``), and the kernels are built once into
-``build/bench-reorder`` and reused while the code generator is unchanged.
+are interleaved round by round (see ``common``): on a shared VM the clock drifts too much for
+anything else. The kernels are built once into ``build/bench-reorder`` and reused while the
+code generator is unchanged.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -102,7 +108,7 @@ def bench_shape(lib, shape, to_blocked, repeat, threads, pool):
     expected = dst.copy()
     kern = lib[kernel_name(PLAIN, BLOCKED, shape) if to_blocked else
                kernel_name(BLOCKED, PLAIN, shape)]
-    raw = kern._func  # the compiled function, as kern(src, dst) calls it after checking them
+    raw = getattr(kern, "_func", kern)  # the compiled function kern(src, dst) calls
 
     nbytes = src.nbytes + dst.nbytes
     half = nbytes // 2 // 4
@@ -113,8 +119,9 @@ def bench_shape(lib, shape, to_blocked, repeat, threads, pool):
         "bp call": lambda: kern(src, dst),
         "numpy": numpy_reorder(plain, blocked, to_blocked),
         "copy": lambda: np.copyto(copy_dst, copy_src),
-        f"copy {threads}t": threaded_copy(copy_dst, copy_src, pool),
     }
+    if threads > 1:
+        contenders[f"copy {threads}t"] = threaded_copy(copy_dst, copy_src, pool, threads)
     torch_fn = torch_reorder(plain, to_blocked, threads)
     if torch_fn is not None:
         contenders["torch"] = torch_fn
@@ -131,6 +138,8 @@ def bench_shape(lib, shape, to_blocked, repeat, threads, pool):
 def main(repeat=5, threads=None, quick=False):
     if threads:
         os.environ["TVM_NUM_THREADS"] = str(threads)  # read when TVM's thread pool starts
+    # torch's OpenMP workers spin after each call, taking the cores from the next contender
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     lib = build_library()
     import tvm_ffi
 
@@ -141,23 +150,26 @@ def main(repeat=5, threads=None, quick=False):
         torch_note = f"torch {torch.__version__}"
     except ImportError:
         torch_note = "torch not installed"
-    print(f"blockpad bench reorder: fp32, {threads} kernel threads "
+    print(f"blockpad bench reorder: fp32, kernels on {threads} thread{'s' * (threads > 1)} "
           f"({os.cpu_count()} CPUs), {repeat} rounds, median GB/s = (read + written bytes) / "
           f"time; {torch_note}")
 
     shapes = SHAPES[:QUICK_SHAPES] if quick else SHAPES
-    names = ["blockpad", "bp call", "numpy", "copy", f"copy {threads}t"] + \
-        (["torch"] if torch_note != "torch not installed" else [])
+    names = ["blockpad", "bp call", "numpy", "copy"]
+    names += [f"copy {threads}t"] if threads > 1 else []
+    names += ["torch"] if torch_note != "torch not installed" else []
     rows = []
     with ThreadPoolExecutor(threads) as pool:
         for shape in shapes:
             for to_blocked in (True, False):
                 gbs = bench_shape(lib, shape, to_blocked, repeat, threads, pool)
-                copy = max(gbs["copy"], gbs[f"copy {threads}t"])
+                copy = max(gbs[n] for n in names if n.startswith("copy"))
                 direction = f"{PLAIN} -> {BLOCKED}" if to_blocked else f"{BLOCKED} -> {PLAIN}"
                 rows.append(["x".join(map(str, shape)), direction,
                              *(f"{gbs[n]:.1f}" for n in names),
                              f"{gbs['blockpad'] / copy:.2f}",
                              f"{gbs['blockpad'] / gbs['numpy']:.2f}"])
-                print(f"  {rows[-1][0]} {direction}: done", flush=True)
+                print(f"  {rows[-1][0]} {direction}: done", file=sys.stderr, flush=True)
     print(table(rows, ["shape", "direction", *names, "bp/copy", "bp/numpy"]))
+    print("bp/copy: blockpad / the faster copy; bp call: blockpad through lib[name](...), "
+          "whose argument checks cost the difference")
