@@ -43,6 +43,7 @@ DTYPES = ("float64", "float32", "float16", "bfloat16",
 _TOKEN = re.compile(r"(\d+)([a-z])|([A-Za-z])")
 
 
+@functools.lru_cache(maxsize=64)
 def numpy_dtype(dtype) -> np.dtype:
     """The numpy dtype for a blockpad dtype name (bfloat16 comes from ml_dtypes)."""
     name = dtype_name(dtype)
@@ -53,6 +54,7 @@ def numpy_dtype(dtype) -> np.dtype:
     return np.dtype(name)
 
 
+@functools.lru_cache(maxsize=64)
 def dtype_name(dtype) -> str:
     """Normalise a dtype given as a name, numpy dtype or scalar type to its canonical name."""
     try:
@@ -231,11 +233,11 @@ class Layout:
     def nbytes(self) -> int:
         return self.alloc_len * self.itemsize
 
-    @property
+    @functools.cached_property
     def has_padding(self) -> bool:
         return math.prod(self.physical_shape) != math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def is_plain(self) -> bool:
         """Row-major over the logical dims with no padding and compact strides: a numpy array
         of the logical shape is already this layout."""
