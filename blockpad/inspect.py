@@ -43,5 +43,10 @@ def _functions_of(text, kernel, kind) -> str:
         blocks = re.split(r"(?m)^(?=define )", text)
         return "".join(b.split("\n}\n")[0] + "\n}\n" for b in blocks
                        if re.match(rf"define [^@]*@(__tvm_ffi_)?{kernel}(_|\()", b))
-    pattern = re.compile(rf"(?ms)^(extern \"C\" __global__|\.visible \.entry).*?{kernel}.*?^\}}")
-    return "\n".join(m.group(0) for m in pattern.finditer(text))
+    # CUDA C / PTX: TVM names a kernel's device functions <kernel>_kernel[_N]; CUDA C declares
+    # them all first (lines ending in ';'), then defines them
+    start = r'extern "C" __global__|\.visible \.entry'
+    name = re.compile(rf"\b{kernel}_kernel(_\d+)?\(")
+    chunks = re.split(rf"(?m)^(?={start})", text)
+    return "".join(c for c in chunks if re.match(start, c) and name.search(c.split("\n", 1)[0])
+                   and not c.split("\n", 1)[0].rstrip().endswith(";"))

@@ -73,10 +73,14 @@ def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildR
             from tvm.support import cc
 
             lib.export_library(tmp, fcompile=cc.cross_compiler(target.cross_compiler))
+        elif target.family == "cuda":
+            from . import cuda_aot
+
+            cuda_aot.export(lib, tmp, target)   # device code compiled by nvcc now, not at load
         else:
             lib.export_library(tmp)
         os.replace(tmp, lib_path)
-        _write_sources(out_dir, funcs, lib)
+        _write_sources(out_dir, funcs, lib, target)
     except Exception as e:  # noqa: BLE001
         raise BuildError(f"compiling for {target.name} failed: {e}") from e
     log(f"compiled in {time.perf_counter() - t0:.2f} s")
@@ -100,9 +104,10 @@ def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildR
     return BuildResult(out_dir, manifest, rebuilt=True)
 
 
-def _write_sources(out_dir, funcs, lib):
+def _write_sources(out_dir, funcs, lib, target):
     """What ``blockpad inspect`` shows: each kernel's scheduled TIR and the module's assembly
-    (a deployed library cannot regenerate them: the runtime has no compiler)."""
+    (a deployed library cannot regenerate them: the runtime has no compiler); for CUDA also
+    the device code's CUDA C and PTX."""
     src = os.path.join(out_dir, "source")   # read by blockpad.inspect
     os.makedirs(src, exist_ok=True)
     for name, func in funcs.items():
@@ -115,6 +120,13 @@ def _write_sources(out_dir, funcs, lib):
             continue
         with open(os.path.join(src, f"kernels.{ext}"), "w") as f:
             f.write(text)
+    if target.family == "cuda":
+        from . import cuda_aot
+
+        cu = cuda_aot.device_source(lib)
+        for ext, text in (("cu", cu), ("ptx", cuda_aot.compile_device(cu, cuda_aot.sm(target))[1])):
+            with open(os.path.join(src, f"kernels.{ext}"), "w") as f:
+                f.write(text)
 
 
 def make_kernels(req):

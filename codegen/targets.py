@@ -23,7 +23,9 @@ class Target:
         import tvm
 
         spec = dict(self.tvm)
-        if num_cores:
+        if num_cores and "host" in spec:   # a device target (cuda): its CPU side has the cores
+            spec["host"] = {**spec["host"], "num-cores": num_cores}
+        elif num_cores:
             spec["num-cores"] = num_cores
         return tvm.target.Target(spec)
 
@@ -32,6 +34,21 @@ class Target:
 # runs on any Haswell-or-later Intel and Zen AMD, which is what 'host' promises.
 _X86_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "sse4_2", "popcnt")
 
+
+def _cuda(cc: int, gpu: str) -> Target:
+    """NVIDIA GPU of compute capability ``cc`` / 10 or later: kernels compiled by nvcc at build
+    time to a fatbin of sm_<cc> SASS plus compute_<cc> PTX (which the driver JIT-compiles for
+    newer GPUs); the host side is x86-64-v3 code. Features: the host CPU's, and ``sm_<cc>``,
+    which the runtime checks against the CUDA devices present."""
+    return Target(f"cuda-sm{cc}", "cuda",
+                  {"kind": "cuda", "arch": f"sm_{cc}", "max_threads_per_block": 1024,
+                   "max_shared_memory_per_block": 49152, "thread_warp_size": 32,
+                   "host": {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v3"}},
+                  "x86_64", _X86_V3 + (f"sm_{cc}",), 16,
+                  f"NVIDIA GPU, compute capability {cc // 10}.{cc % 10}+ ({gpu} and later); "
+                  f"cubin + PTX compiled ahead of time with nvcc")
+
+
 TARGETS = {
     "host": Target("host", "x86", {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v3"},
                    "x86_64", _X86_V3, 32, "x86-64 with AVX2 and FMA (x86-64-v3)"),
@@ -39,6 +56,7 @@ TARGETS = {
                                        "mcpu": "skylake-avx512"},
                      "x86_64", _X86_V3 + ("avx512f", "avx512bw", "avx512dq", "avx512vl"), 64,
                      "x86-64 with AVX-512 (Skylake-SP and later)"),
+    **{f"cuda-sm{cc}": _cuda(cc, gpu) for cc, gpu in ((80, "Ampere A100"), (90, "Hopper H100"))},
 }
 
 

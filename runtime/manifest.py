@@ -78,10 +78,35 @@ def check_loadable(out_dir, manifest: dict) -> str:
     if target.get("arch") != machine.arch():
         raise LoadError(f"{out_dir}: library is for {target.get('arch')} (target "
                         f"{target.get('name')!r}); this machine is {machine.arch()}")
-    missing = machine.missing_features(target.get("features", []))
+    features = target.get("features", [])
+    missing = machine.missing_features([f for f in features if not f.startswith("sm_")])
     if missing:
         raise MissingCPUFeatureError(
             f"{out_dir}: target {target.get('name')!r} needs CPU features {', '.join(missing)}, "
             f"which this machine lacks; running it would die of an illegal instruction. Build "
             f"for a target this machine has (e.g. --target host)")
+    need = machine.gpu_requirement(features)
+    if need is not None:
+        _check_gpu(out_dir, target, need)
     return lib
+
+
+def _check_gpu(out_dir, target: dict, need: tuple) -> None:
+    """A CUDA library runs on a device of compute capability ``need`` or later (its fatbin holds
+    that SASS and PTX the driver compiles for newer GPUs); then TVM's CUDA runtime must load."""
+    devices = machine.cuda_devices()
+    want = f"an NVIDIA GPU of compute capability {need[0]}.{need[1]} or later (sm_{need[0]}{need[1]})"
+    if devices is None:
+        have = "this machine has no CUDA driver (libcuda.so.1 is not found), so no GPU"
+    elif not devices:
+        have = "the CUDA driver reports no usable device (see CUDA_VISIBLE_DEVICES)"
+    elif not any(d >= need for d in devices):
+        have = "this machine's CUDA devices have compute capability " + \
+            ", ".join(f"{a}.{b}" for a, b in devices)
+    else:
+        from .tvm_runtime import cuda_runtime
+
+        cuda_runtime()
+        return
+    raise LoadError(f"{out_dir}: target {target.get('name')!r} runs on {want}; {have}. Load it "
+                    f"on a GPU host, or build for a CPU target here (e.g. --target host)")

@@ -26,10 +26,7 @@ def default_threads() -> int:
 def _runtime():
     # The pool reads its size when it starts: settle it before anything can start it.
     os.environ.setdefault("TVM_NUM_THREADS", str(default_threads()))
-    spec = importlib.util.find_spec("tvm")
-    if spec is None or not spec.submodule_search_locations:
-        raise LoadError("apache-tvm is not installed: `pip install blockpad[runtime]`")
-    path = os.path.join(spec.submodule_search_locations[0], "lib", "libtvm_runtime.so")
+    path = _runtime_path()
     if not os.path.isfile(path):
         raise LoadError(f"TVM's runtime library {path} is missing; reinstall apache-tvm")
     import tvm_ffi  # loads libtvm_ffi.so, which the runtime library links against
@@ -38,5 +35,47 @@ def _runtime():
     return tvm_ffi
 
 
+def _runtime_path() -> str:
+    spec = importlib.util.find_spec("tvm")
+    if spec is None or not spec.submodule_search_locations:
+        raise LoadError("apache-tvm is not installed: `pip install blockpad[runtime]`")
+    return os.path.join(spec.submodule_search_locations[0], "lib", "libtvm_runtime.so")
+
+
 def load_module(path):
     return _runtime().load_module(path)
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_runtime():
+    """Load TVM's CUDA runtime (``libtvm_runtime_cuda.so``) globally, once: it registers the
+    loader of the CUDA device modules that cuda-target libraries embed, and the CUDA device API.
+    Only for those libraries: it needs the CUDA driver (``libcuda.so.1``)."""
+    tvm_ffi = _runtime()
+    path = os.path.join(os.path.dirname(_runtime_path()), "libtvm_runtime_cuda.so")
+    if not os.path.isfile(path):
+        raise LoadError(f"TVM's CUDA runtime {path} is missing; this apache-tvm build cannot run "
+                        f"CUDA libraries")
+    try:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        _preload_cudart()   # it links libcudart.so.N: the CUDA runtime, from a pip wheel maybe
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            raise LoadError(f"TVM's CUDA runtime {path} does not load ({e}); it needs the "
+                            f"NVIDIA driver and the CUDA runtime library (the CUDA toolkit's, "
+                            f"or `pip install nvidia-cuda-runtime`)") from None
+    return tvm_ffi
+
+
+def _preload_cudart():
+    import glob
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for lib in sorted(glob.glob(os.path.join(root, "**", "libcudart.so.*"), recursive=True)):
+            try:
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import tvm
 
-from . import generic, x86
+from . import cuda, generic, x86
 
 RULES = {
     "x86": [*x86.RULES, generic.Fallback()],
+    "cuda": [*cuda.RULES, cuda.Fallback()],   # never generic.Fallback: GPU kernels must bind threads
 }
 
 

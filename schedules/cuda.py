@@ -1,0 +1,149 @@
+"""CUDA schedules (sm_80, sm_90).
+
+On a GPU every loop nest must be bound to blocks and threads: TVM refuses a kernel with a
+serial loop nest at the top level ("did you forget to bind?"), so there is no CPU-style
+fallback here. Each stage of a function becomes one kernel launch; launches on one stream run in
+order, so a stage sees its predecessor's stores.
+
+* ``Elementwise`` (reorder, zero_pad, eltwise, binary): the stage's loops are fused into one and
+  split into blocks of ``THREADS`` threads, one element per thread. Reorders and eltwise ops
+  are declared over the destination's physical index space, so consecutive threads store
+  consecutive addresses (coalesced). Predicates survive: a zero-pad block's
+  ``T.where(is_padding)``, the ``valid``-region predicate of ``dst_stage`` and the tail of the
+  split all end up in the one ``if`` that guards the thread's store.
+* ``Matmul`` (op ``matmul``): TVM's dlight GPU matmul, shared-memory tiling for fp32 and
+  tensor cores (``wmma`` 16x16x16, fp32 accumulation) for fp16 sources.
+* ``Fallback``: any other stage gets its spatial loops fused and bound the same way, its
+  reduction loops running serially inside the thread. Correct for every op; slow for
+  reductions (convolution, softmax and pooling have no CUDA rule of their own yet).
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir
+
+from .common import op_of
+
+THREADS = 256   # threads per block: 8 warps, enough to hide latency at full occupancy
+
+
+class Elementwise:
+    ops = ("reorder", "zero_pad", "eltwise", "binary")
+
+    def apply(self, func, target):
+        if op_of(func) not in self.ops:
+            return None
+        return _bind_all(s_tir.Schedule(func))
+
+
+class Fallback:
+    """Valid for any kernel: spatial loops to blocks x threads, reductions serial per thread."""
+
+    def apply(self, func, target):
+        return _bind_all(s_tir.Schedule(func))
+
+
+def _bind_all(sch):
+    for block in _root_blocks(sch):
+        bind_spatial(sch, block)
+    return sch
+
+
+def bind_spatial(sch, block, threads: int = THREADS):
+    """Fuse the spatial loops of ``block`` (moved outside its reduction loops) and bind them to
+    ``blockIdx.x`` x ``threadIdx.x``."""
+    loops = sch.get_loops(block)
+    if any(sch.get(l).thread_binding is not None for l in loops):
+        return   # already bound (a rule that scheduled it itself)
+    reduce_vars = _reduction_loop_vars(sch, block)
+    is_reduction = [any(sch.get(l).loop_var.same_as(v) for v in reduce_vars) for l in loops]
+    spatial = [l for l, r in zip(loops, is_reduction) if not r]
+    reduction = [l for l, r in zip(loops, is_reduction) if r]
+    if not spatial:
+        spatial = [sch.add_unit_loop(block)]
+    elif reduction:
+        sch.reorder(*spatial, *reduction)
+    fused = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
+    extent = int(sch.get(fused).extent)
+    bx, tx = sch.split(fused, [None, min(threads, max(extent, 1))])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+
+
+def _aligned_params(func, align):
+    """``func`` with compact, ``align``-byte aligned parameter buffers, and the function that
+    puts the original parameters (strided, any offset) back into a func derived from it.
+    Schedule primitives copy a buffer's declaration into the stages they derive from it:
+    shared-memory copies of a parameter would inherit its symbolic element offset and its
+    element alignment, which the tensor-core fragment loads reject (they need 64 bytes and
+    offsets in multiples of 16)."""
+    import tvm_ffi
+    from tvm import tirx
+
+    pairs = [(p, tirx.decl_buffer(p.shape, p.dtype, p.name, data_alignment=align))
+             for p in func.params]
+
+    def swap(f, table):
+        return tvm_ffi.structural_map(
+            f, (tirx.Var, lambda v: next((b for a, b in table if v.same_as(a)), v)))
+
+    return swap(func, pairs), lambda f: swap(f, [(b, a) for a, b in pairs])
+
+
+def _reduction_loop_vars(sch, block) -> list:
+    """Loop vars that feed a reduction (or opaque) iter var of ``block``."""
+    from tvm import tirx
+
+    realize = _get_realize(sch, block)
+    out = []
+    for iv, value in zip(sch.get(block).iter_vars, realize.iter_values):
+        if iv.iter_type != 0:   # 0: data parallel
+            out += list(tirx.analysis.undefined_vars(value))
+    return out
+
+
+def _get_realize(sch, block):
+    import tvm
+
+    return tvm.get_global_func("s_tir.schedule.GetSBlockRealize")(sch, block)
+
+
+def _root_blocks(sch):
+    try:
+        root = sch.get_sblock("root")
+    except Exception:  # noqa: BLE001 - a function without blocks (an empty zero-pad): nothing to bind
+        return []
+    return sch.get_child_blocks(root)
+
+
+class Matmul:
+    """Matmul-shaped reductions (``C[m, n] += A[m, k] * B[k, n]`` in any layouts, blocked ones
+    included: each operand is re-indexed to a plain matrix on its way to shared memory) with TVM's
+    dlight GPU matmul rule. fp16 sources with fp32 accumulation run on tensor cores (``wmma``:
+    16x16x16 fragments loaded from shared memory, ``mma.sync`` in the PTX, HMMA in the SASS),
+    when each of M, N and K exceeds 64; otherwise, and for fp32, a shared-memory tiled kernel
+    (8x16 threads, 4x4 outputs per thread, K in steps of 16). Non-multiples are padded. Returns
+    None (so the next rule runs) for a reduction it cannot put in that form."""
+
+    ops = ("matmul",)
+
+    def apply(self, func, target):
+        if op_of(func) not in self.ops:
+            return None
+        from tvm.s_tir import dlight
+
+        tvm_target = target.tvm_target()
+        # scheduled over compact parameters; the layouts' strided ones are put back afterwards
+        aligned, restore = _aligned_params(func, 64)
+        try:
+            with tvm_target:   # the first fp16 kernel imports TVM's CUDA intrinsics: ~30-60 s
+                sch = dlight.gpu.Matmul().apply(aligned, tvm_target, False)
+        except Exception:  # noqa: BLE001 - dlight asserts on shapes it does not handle
+            return None
+        if sch is None:
+            return None
+        _bind_all(sch)   # stages dlight left alone (an epilogue it could not inline)
+        return s_tir.Schedule(restore(sch.mod["main"]))
+
+
+RULES = [Elementwise(), Matmul()]

@@ -1,0 +1,283 @@
+"""CUDA targets (cuda-sm80, cuda-sm90), built ahead of time with nvcc.
+
+There is no GPU here: these tests check what is built (a fatbin of SASS + PTX inside the shared
+library, not CUDA source; the tensor-core instructions in the PTX, and in the SASS when
+cuobjdump can disassemble it) and that loading refuses cleanly. Running the kernels needs a GPU
+host. Everything skips, saying why, when nvcc is not installed."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+import blockpad as bp
+from blockpad.codegen.cuda_aot import FATBIN_MAGIC
+from blockpad.codegen.spec import parse_spec
+from blockpad.runtime import machine
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None,
+                                reason="nvcc (CUDA toolkit) not on PATH: CUDA targets compile "
+                                       "with it at build time")
+
+ARCHS = {"cuda-sm80": 80, "cuda-sm90": 90}
+SHAPE = [2, 30, 5, 7]   # C = 30: two channels of padding in the last 16-channel block
+SPEC = {"library": {"name": "cuda-test"}, "kernel": [
+    {"op": "reorder", "shape": SHAPE, "src": "nchw", "dst": "nChw16c"},
+    {"op": "reorder", "shape": SHAPE, "src": "nChw16c", "dst": "nchw"},
+    {"name": "sigmoid_fused", "op": "eltwise", "shape": SHAPE, "src": "nChw16c", "dst": "nChw16c",
+     "algorithm": "sigmoid", "policy": "dst_fused"},
+    {"name": "relu_fused", "op": "eltwise", "shape": SHAPE, "src": "nChw16c", "dst": "nChw16c",
+     "algorithm": "relu", "policy": "dst_fused"},
+    {"name": "sigmoid_stage", "op": "eltwise", "shape": SHAPE, "src": "nChw16c", "dst": "nChw16c",
+     "algorithm": "sigmoid", "policy": "dst_stage"},
+    {"name": "relu_stage", "op": "eltwise", "shape": SHAPE, "src": "nChw16c", "dst": "nChw16c",
+     "algorithm": "relu", "policy": "dst_stage"},
+    {"name": "add", "op": "binary", "shape": SHAPE, "src0": "nChw16c", "src1": "nChw16c",
+     "dst": "nChw16c", "algorithm": "add"},
+    {"name": "zero_pad_halo", "op": "zero_pad", "shape": SHAPE,
+     "layout": {"tag": "nChw16c", "paddings": {"h": [1, 2], "w": [3, 1]}}},
+]}
+
+
+@pytest.fixture(scope="session", params=list(ARCHS))
+def cuda_lib(request, build_dir):
+    out = build_dir / request.param
+    bp.build(parse_spec(SPEC), request.param, out, log=lambda m: None)
+    return request.param, ARCHS[request.param], out
+
+
+def fatbin_entries(data: bytes):
+    """(kind, sm) of each entry of the first fatbin in ``data``: kind 1 is PTX, 2 is an ELF
+    cubin (SASS)."""
+    at = data.find(FATBIN_MAGIC)
+    assert at >= 0, "no fatbin in the library"
+    _, _, header, size = struct.unpack_from("<IHHQ", data, at)
+    pos, end, out = at + header, at + header + size, []
+    while pos < end:
+        kind, _, entry_header, payload = struct.unpack_from("<HHIQ", data, pos)
+        out.append((kind, struct.unpack_from("<I", data, pos + 28)[0]))
+        pos += entry_header + payload
+    return out, data[at:end]
+
+
+def test_targets_are_listed_with_the_compute_capability():
+    from blockpad.codegen.targets import TARGETS
+
+    for name, cc in ARCHS.items():
+        t = TARGETS[name]
+        assert t.family == "cuda" and f"sm_{cc}" in t.features and "avx2" in t.features
+        tvm_target = t.tvm_target(num_cores=4)
+        assert tvm_target.kind.name == "cuda" and str(tvm_target.attrs["arch"]) == f"sm_{cc}"
+        assert tvm_target.host.kind.name == "llvm"
+
+
+def test_library_embeds_a_fatbin_not_cuda_source(cuda_lib):
+    name, cc, out = cuda_lib
+    data = (out / "kernels.so").read_bytes()
+    source = (out / "source" / "kernels.cu").read_text()
+    assert 'extern "C" __global__' in source
+    assert b"__global__" not in data and b"__launch_bounds__" not in data, "CUDA source embedded"
+    entries, _ = fatbin_entries(data)
+    assert (2, cc) in entries, f"no sm_{cc} SASS in {entries}"
+    assert (1, cc) in entries, f"no compute_{cc} PTX in {entries}"
+
+
+def test_tvm_loader_reads_the_embedded_binary(cuda_lib):
+    """TVM's own library loader (tvm_ffi ProcessLibraryBin) walks the packed modules of the
+    exported .so and hands the CUDA module's bytes to ``ffi.Module.load_from_bytes.cuda``; with
+    no CUDA runtime here, a stand-in loader records them: format ``fatbin``, the kernels'
+    function table, the fatbin itself."""
+    name, cc, out = cuda_lib
+    code = f"""
+import struct, tvm_ffi
+from blockpad.runtime.tvm_runtime import _runtime
+_runtime()
+got = []
+@tvm_ffi.register_global_func("ffi.Module.load_from_bytes.cuda", override=True)
+def _load(payload):
+    got.append(bytes(payload))
+    return tvm_ffi.system_lib()
+tvm_ffi.load_module({str(out / "kernels.so")!r})
+(p,) = got
+n = struct.unpack_from("<Q", p)[0]
+print(p[8:8 + n].decode(), b"relu_stage_kernel" in p, p.count(bytes.fromhex("50ed55ba")))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["fatbin", "True", "1"]
+
+
+def test_manifest_records_the_compute_capability(cuda_lib):
+    name, cc, out = cuda_lib
+    target = json.loads((out / "manifest.json").read_text())["target"]
+    assert target["name"] == name and f"sm_{cc}" in target["features"]
+    assert target["tvm"]["kind"] == "cuda" and target["tvm"]["arch"] == f"sm_{cc}"
+
+
+def test_ptx_is_saved_for_the_arch(cuda_lib):
+    name, cc, out = cuda_lib
+    ptx = (out / "source" / "kernels.ptx").read_text()
+    assert re.search(rf"^\.target sm_{cc}$", ptx, re.M)
+    for kernel in ("relu_stage", "relu_stage__zero_pad_dst", "add", "zero_pad_halo"):
+        assert f".visible .entry {kernel}_kernel(" in ptx
+
+
+def test_every_stage_is_bound_and_predicates_survive(cuda_lib):
+    """One thread per element; the valid-region predicate (dst_stage) and the zero-pad
+    predicate stay in the one guard around the store."""
+    name, cc, out = cuda_lib
+    src = out / "source"
+    for tir in src.glob("*.tir.py"):
+        text = tir.read_text()
+        assert 'thread="blockIdx.x"' in text and 'thread="threadIdx.x"' in text, tir.name
+    stage = (src / "relu_stage.tir.py").read_text()
+    assert "T.where(not " in stage and ">= 30" in stage   # channels 30, 31 are not written
+    assert "T.where(" in (src / "zero_pad_halo.tir.py").read_text()
+    fused = (src / "sigmoid_fused.tir.py").read_text()
+    assert "T.Select(" in fused                            # sigmoid(0) != 0: padding selected 0
+
+
+def test_inspect_shows_cuda_and_ptx(cuda_lib):
+    name, cc, out = cuda_lib
+    cli = subprocess.run([sys.executable, "-m", "blockpad", "inspect", str(out), "--cuda",
+                          "--kernel", "relu_stage"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.count('extern "C" __global__') == 1
+    assert "relu_stage_kernel(" in cli.stdout and "zero_pad_dst" not in cli.stdout
+    from blockpad.inspect import show
+
+    assert show(out, "cuda").count("__global__") >= 2 * len(SPEC["kernel"])
+    ptx = show(out, "ptx", "zero_pad_halo")
+    assert ptx.startswith(".visible .entry zero_pad_halo_kernel") and ".entry add_kernel" not in ptx
+
+
+def test_load_without_a_gpu_is_refused_clearly(cuda_lib, monkeypatch):
+    name, cc, out = cuda_lib
+    monkeypatch.setattr(machine, "cuda_devices", lambda: None)
+    with pytest.raises(bp.LoadError, match=rf"compute capability {cc // 10}\.0 or later "
+                                           rf"\(sm_{cc}\); this machine has no CUDA driver"):
+        bp.load(out)
+    monkeypatch.setattr(machine, "cuda_devices", lambda: ((7, 5),))
+    with pytest.raises(bp.LoadError, match=r"CUDA devices have compute capability 7\.5"):
+        bp.load(out)
+    monkeypatch.setattr(machine, "cuda_devices", lambda: ())
+    with pytest.raises(bp.LoadError, match="reports no usable device"):
+        bp.load(out)
+
+
+@pytest.mark.skipif(machine.cuda_devices() is not None, reason="this machine has a CUDA driver")
+def test_this_machine_has_no_gpu_and_says_so(cuda_lib):
+    with pytest.raises(bp.LoadError, match="no CUDA driver"):
+        bp.load(cuda_lib[2])
+
+
+# ---- matmul: shared-memory tiling (fp32), tensor cores (fp16 sources, fp32 accumulation) ----
+
+def matmul_kernel(name, m, n, k, dtype, tags=("ab", "ab", "ab")):
+    """A matmul kernel as the operator framework declares one (sources by logical index, an
+    ``acc`` reduction stage, a ``dst`` stage), here until codegen/ops/matmul.py exists."""
+    from tvm import te
+
+    from blockpad.codegen.ops.common import OpDef, Source, materialize
+    from blockpad.codegen.policy import plan
+
+    a = Source("src", bp.Layout(tags[0], (m, k), dtype))
+    b = Source("weights", bp.Layout(tags[1], (k, n), dtype))
+    r = te.reduce_axis((0, k), "k")
+    opdef = OpDef("matmul", [a, b], lambda i, j: te.sum(
+        a(i, r).astype("float32") * b(r, j).astype("float32"), axis=r), reduce=True, axes=[r])
+    return materialize(opdef, bp.Layout(tags[2], (m, n), "float32"),
+                       plan("dst_fused", True, reduces_over_padding=True), name)[0]
+
+
+def compile_cuda(func, name, target_name):
+    """(CUDA source, fatbin, PTX) of one scheduled kernel."""
+    import tvm
+
+    from blockpad.codegen import cuda_aot
+    from blockpad.codegen.targets import get_target
+
+    target = get_target(target_name)
+    lib = tvm.compile(tvm.IRModule({name: func}), target=target.tvm_target())
+    source = cuda_aot.device_source(lib)
+    return (source, *cuda_aot.compile_device(source, cuda_aot.sm(target)))
+
+
+def cuobjdump():
+    """cuobjdump and nvdisasm (which it runs for -sass): on PATH, or from the nvidia-cuda-cuobjdump
+    and nvidia-cuda-nvdisasm wheels; None without them."""
+    found = shutil.which("cuobjdump"), shutil.which("nvdisasm")
+    if all(found):
+        return found[0], os.environ
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        tools = [glob.glob(os.path.join(root, "*", "bin", t)) for t in ("cuobjdump", "nvdisasm")]
+        if all(tools):
+            path = os.pathsep.join({os.path.dirname(t[0]) for t in tools})
+            return tools[0][0], {**os.environ, "PATH": path + os.pathsep + os.environ["PATH"]}
+    return None
+
+
+@pytest.fixture(scope="session")
+def fp16_matmul():
+    """One tensor-core schedule (blocked src, so operands are re-indexed on their way to shared
+    memory), compiled for each arch. Scheduling imports TVM's CUDA tensor intrinsics (once per
+    process): 40-90 s here, most of it inspect.stack() in TVMScript's prim_func decorator."""
+    from blockpad.codegen.targets import get_target
+    from blockpad.schedules import schedule
+
+    kernel = matmul_kernel("mm_f16", 256, 192, 128, "float16", ("AB16b16a", "ab", "ab"))
+    func = schedule(kernel.func, get_target("cuda-sm80"))
+    return {name: compile_cuda(func, "mm_f16", name) for name in ARCHS}
+
+
+@pytest.mark.slow   # the first tensor-core schedule in a process imports TVM's intrinsics
+@pytest.mark.parametrize("target_name", list(ARCHS))
+def test_fp16_matmul_runs_on_tensor_cores(fp16_matmul, target_name, tmp_path):
+    source, fatbin, ptx = fp16_matmul[target_name]
+    cc = ARCHS[target_name]
+    assert "nvcuda::wmma::mma_sync" in source
+    assert re.search(rf"^\.target sm_{cc}$", ptx, re.M)
+    mma = re.findall(r"^\s*wmma\.mma\.sync\.aligned\.row\.col\.m16n16k16\.f32\.f32", ptx, re.M)
+    assert len(mma) >= 8, "expected the tensor-core MMA in the PTX"
+    entries, _ = fatbin_entries(fatbin)
+    assert {(1, cc), (2, cc)} <= set(entries)
+    tool = cuobjdump()
+    if tool is None:
+        return   # SASS check needs cuobjdump + nvdisasm (pip: nvidia-cuda-cuobjdump, -nvdisasm)
+    (tmp_path / "k.fatbin").write_bytes(fatbin)
+    sass = subprocess.run([tool[0], "-sass", str(tmp_path / "k.fatbin")], env=tool[1],
+                          capture_output=True, text=True, timeout=120)
+    assert sass.returncode == 0, sass.stderr
+    assert f"code for sm_{cc}" in sass.stdout and "HMMA.16816.F32" in sass.stdout
+
+
+def test_fp32_matmul_tiles_through_shared_memory():
+    from blockpad.codegen.targets import get_target
+    from blockpad.schedules import schedule
+
+    kernel = matmul_kernel("mm_f32", 100, 70, 50, "float32")   # no multiple of any tile
+    source, _, ptx = compile_cuda(schedule(kernel.func, get_target("cuda-sm80")), "mm_f32",
+                                  "cuda-sm80")
+    assert "__shared__" in source and "__syncthreads()" in source
+    assert not re.search(r"\bw?mma\.", ptx) and re.search(r"ld\.shared(\.v\d)?\.f32", ptx)
+
+
+def test_fallback_binds_any_kernel():
+    """Ops without a CUDA rule still get every loop bound (here a matmul kept from its rule)."""
+    from blockpad.codegen.targets import get_target
+    from blockpad.schedules import cuda
+
+    kernel = matmul_kernel("mm_any", 33, 17, 9, "float32")
+    sch = cuda.Fallback().apply(kernel.func, get_target("cuda-sm80"))
+    source, _, ptx = compile_cuda(sch.mod["main"], "mm_any", "cuda-sm80")
+    assert source.count("__global__") >= 2 and ".target sm_80" in ptx
