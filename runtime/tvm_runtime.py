@@ -10,6 +10,7 @@ import ctypes
 import functools
 import importlib.util
 import os
+import sys
 
 from blockpad.errors import LoadError
 
@@ -29,9 +30,25 @@ def _runtime():
     path = _runtime_path()
     if not os.path.isfile(path):
         raise LoadError(f"TVM's runtime library {path} is missing; reinstall apache-tvm")
-    import tvm_ffi  # loads libtvm_ffi.so, which the runtime library links against
-
+    tvm_ffi = _import_tvm_ffi()   # loads libtvm_ffi.so, which the runtime library links against
     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    return tvm_ffi
+
+
+def _import_tvm_ffi():
+    """``import tvm_ffi`` without the ``import torch`` it does first whenever torch is
+    installed (a workaround for a Windows symbol clash): a second of start-up for a process that
+    only runs kernels. A process that already imported torch keeps it; one that imports torch
+    later is unaffected (kernels take torch tensors through DLPack either way)."""
+    if "torch" in sys.modules or "tvm_ffi" in sys.modules:
+        import tvm_ffi
+
+        return tvm_ffi
+    sys.modules["torch"] = None   # makes tvm_ffi's `import torch` raise ImportError
+    try:
+        import tvm_ffi
+    finally:
+        del sys.modules["torch"]
     return tvm_ffi
 
 
