@@ -28,3 +28,33 @@ def binary(entry, src0, src1):
 
 
 REFERENCES = {"eltwise": eltwise, "binary": binary}
+
+
+def softmax(entry, src):
+    axis = entry.get("axis", 1)
+    x = src.astype(np.float64)
+    e = np.exp(x - x.max(axis, keepdims=True))
+    s = e / e.sum(axis, keepdims=True)
+    return np.log(s) if entry.get("log") else s
+
+
+def pool(entry, src):
+    k = entry.get("kernel", [2, 2])
+    s = entry.get("stride") or k
+    p = entry.get("pad", [0, 0])
+    n, c, h, w = src.shape
+    oh, ow = (h + 2 * p[0] - k[0]) // s[0] + 1, (w + 2 * p[1] - k[1]) // s[1] + 1
+    out = np.zeros((n, c, oh, ow))
+    for i in range(oh):
+        for j in range(ow):
+            h0, w0 = i * s[0] - p[0], j * s[1] - p[1]
+            win = src[:, :, max(h0, 0):min(h0 + k[0], h), max(w0, 0):min(w0 + k[1], w)]
+            if entry.get("algorithm", "max") == "max":
+                out[:, :, i, j] = win.max((2, 3))
+            else:
+                cells = win.shape[2] * win.shape[3] if entry.get("exclude_pad", True) else k[0] * k[1]
+                out[:, :, i, j] = win.sum((2, 3)) / cells
+    return out
+
+
+REFERENCES.update(softmax=softmax, pool=pool)

@@ -36,6 +36,15 @@ CASES = [
      "src1": "nchw", "dst": "nChw16c"},
     {"op": "binary", "algorithm": "add", "shape1": [2, 1, 3, 5], "src0": "nChw16c",
      "src1": "nchw", "dst": "nChw16c"},
+    {"op": "softmax", "src": "nChw16c", "dst": "nChw16c"},
+    {"op": "softmax", "log": True, "src": "nChw8c", "dst": "nChw8c"},
+    {"op": "softmax", "axis": 3, "src": "nhwc", "dst": "nChw16c"},
+    {"op": "pool", "algorithm": "max", "kernel": [3, 3], "stride": [2, 2], "pad": [1, 1],
+     "src": "nChw16c", "dst": "nChw16c"},
+    {"op": "pool", "algorithm": "avg", "kernel": [3, 3], "stride": [1, 1], "pad": [1, 1],
+     "exclude_pad": False, "src": "nChw8c", "dst": "nChw8c"},
+    {"op": "pool", "algorithm": "avg", "kernel": [2, 2], "pad": [1, 1], "src": "nchw",
+     "dst": "nChw16c"},
 ]
 GUARD = 32
 
@@ -87,6 +96,7 @@ INPLACE = [
     {"op": "eltwise", "algorithm": "gelu_tanh", "src": "nChw16c", "dst": "nChw16c"},
     {"op": "eltwise", "algorithm": "sigmoid", "src": "nChw8c", "dst": "nChw8c"},
     {"op": "binary", "algorithm": "add", "src0": "nChw16c", "src1": "nChw16c", "dst": "nChw16c"},
+    {"op": "softmax", "src": "nChw16c", "dst": "nChw16c"},
 ]
 
 

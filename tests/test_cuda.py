@@ -228,16 +228,31 @@ def cuobjdump():
 
 
 @pytest.fixture(scope="session")
-def fp16_matmul():
+def fp16_matmul(tmp_path_factory):
     """One tensor-core schedule (blocked src, so operands are re-indexed on their way to shared
-    memory), compiled for each arch. Scheduling imports TVM's CUDA tensor intrinsics (once per
-    process): 40-90 s here, most of it inspect.stack() in TVMScript's prim_func decorator."""
-    from blockpad.codegen.targets import get_target
-    from blockpad.schedules import schedule
-
-    kernel = matmul_kernel("mm_f16", 256, 192, 128, "float16", ("AB16b16a", "ab", "ab"))
-    func = schedule(kernel.func, get_target("cuda-sm80"))
-    return {name: compile_cuda(func, "mm_f16", name) for name in ARCHS}
+    memory), compiled for each arch. Scheduling imports TVM's CUDA tensor intrinsics, whose
+    TVMScript decorator calls inspect.stack() hundreds of times: under pytest's deep stacks that
+    takes minutes, in a fresh process about half a minute, so it runs in one."""
+    out = tmp_path_factory.mktemp("fp16")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"""
+import sys
+sys.path.insert(0, {root!r})
+from blockpad.codegen.targets import get_target
+from blockpad.schedules import schedule
+from tests.test_cuda import ARCHS, compile_cuda, matmul_kernel
+kernel = matmul_kernel("mm_f16", 256, 192, 128, "float16", ("AB16b16a", "ab", "ab"))
+func = schedule(kernel.func, get_target("cuda-sm80"))
+for name in ARCHS:
+    source, fatbin, ptx = compile_cuda(func, "mm_f16", name)
+    open({str(out)!r} + f"/{{name}}.cu", "w").write(source)
+    open({str(out)!r} + f"/{{name}}.fatbin", "wb").write(fatbin)
+    open({str(out)!r} + f"/{{name}}.ptx", "w").write(ptx)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {name: ((out / f"{name}.cu").read_text(), (out / f"{name}.fatbin").read_bytes(),
+                   (out / f"{name}.ptx").read_text()) for name in ARCHS}
 
 
 @pytest.mark.slow   # the first tensor-core schedule in a process imports TVM's intrinsics

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import binary, eltwise
+from . import binary, conv, eltwise, matmul, postops, pool, softmax
 from .reorder import reorder, zero_pad
 
 
@@ -41,4 +41,9 @@ OPS = {
     "eltwise": Op(("src", "dst"), eltwise.make, eltwise.PARAMS, inplace="src"),
     "binary": Op(("src0", "src1", "dst"), binary.make, binary.PARAMS, binary.signature,
                  inplace="src0"),
+    "conv2d": Op(conv.TENSORS, conv.make, conv.PARAMS, conv.signature, postops.DEFAULT_TAGS),
+    "matmul": Op(matmul.TENSORS, matmul.make, matmul.PARAMS, matmul.signature,
+                 postops.DEFAULT_TAGS),
+    "softmax": Op(("src", "dst"), softmax.make, softmax.PARAMS, inplace="src"),
+    "pool": Op(("src", "dst"), pool.make, pool.PARAMS, pool.signature),
 }

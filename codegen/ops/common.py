@@ -161,7 +161,8 @@ def materialize(opdef: OpDef, dst: Layout, plan: Plan, name: str,
     extra_tensors = [t for t, _ in opdef.extra_args]
     func = te.create_prim_func([*[s.tensor for s in opdef.sources], *extra_tensors, out])
     if plan.dst_writes == "valid" and dst.has_padding:
-        func = _predicate_valid(func, dst, {"dst", "acc"})
+        func = _predicate_valid(func, dst, {"dst"})   # acc is scratch: predicating it breaks
+        # the reduction-block form schedules rely on
     args = [Arg(s.name, s.layout, "in", s.storage) for s in opdef.sources]
     args += [a for _, a in opdef.extra_args]
     args.append(Arg("dst", dst, "out", out_storage))

@@ -1,0 +1,172 @@
+"""2-D forward convolution (oneDNN semantics), declared once over logical indices:
+
+    dst[n, k, oh, ow] = post_ops(sum_{c, kh, kw} src[n, g*C/G + c, oh*sh - ph + kh*dh,
+                                                   ow*sw - pw + kw*dw] * wei[k, c, kh, kw])
+
+with g = k // (K/G) the group of output channel k. Weights are ``(K, C, KH, KW)`` (``oihw``
+family) for ``groups = 1`` and ``(G, K/G, C/G, KH, KW)`` (``goihw``) otherwise; depthwise is
+``groups = C`` (e.g. ``Goihw16g``). ``dilation = 1`` is a dense kernel (PyTorch's convention,
+oneDNN's 0). ``pad`` is symmetric. Element types as ``postops.types`` says: float32 (float64,
+float16 too), or int8: ``uint8``/``int8`` source x ``int8`` weights accumulated in int32, then
+``dst = scale[k] * acc`` (+ post-ops) in float32.
+
+Spatial padding is read as zero in one of three ways, all from the same declaration:
+
+* ``fused`` (default): ``Source`` guards the reads that can fall outside the image;
+* ``stage`` (``spatial_pad = "stage"``): a separate stage copies the source into a buffer with a
+  zero halo, and the convolution reads that without bounds checks;
+* pre-padded: a source layout whose halo covers ``pad`` (e.g. ``paddings = {h = [1, 1], w =
+  [1, 1]}``, written clean by its producer) is read without bounds checks, whatever
+  ``spatial_pad`` says.
+
+Channel padding: with ``groups = 1`` the reduction runs over the channels that both the source
+and the weights pad to (whole blocks), relying on zeros there instead of a tail loop, so the
+kernel reads source padding (``reduces_over_padding``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import te
+
+from blockpad.errors import SpecError
+from blockpad.layout import Layout
+
+from ..policy import plan
+from . import postops
+from .common import OpDef, Source, materialize, propagates_zero
+
+TENSORS = ("src", "weights", *postops.TENSORS, "dst")
+PARAMS = {"channels": None, "kernel": [1, 1], "stride": [1, 1], "pad": [0, 0],
+          "dilation": [1, 1], "groups": 1, "spatial_pad": "fused", "post_ops": []}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes of one convolution, checked."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    k: int
+    groups: int
+    kernel: tuple
+    stride: tuple
+    pad: tuple
+    dilation: tuple
+
+    @classmethod
+    def of(cls, shape, channels, kernel, stride, pad, dilation, groups) -> Geometry:
+        if len(shape) != 4:
+            raise SpecError(f"conv2d: shape is the source's (N, C, H, W); got {list(shape)}")
+        if not isinstance(channels, int) or channels < 1:
+            raise SpecError(f"conv2d: channels (output channels K) must be a positive integer; "
+                            f"got {channels!r}")
+        g = groups
+        if not isinstance(g, int) or g < 1 or shape[1] % g or channels % g:
+            raise SpecError(f"conv2d: groups must divide C={shape[1]} and channels={channels}; "
+                            f"got {groups!r}")
+        geo = cls(*shape, channels, g, _pair(kernel, "kernel", 1), _pair(stride, "stride", 1),
+                  _pair(pad, "pad", 0), _pair(dilation, "dilation", 1))
+        if min(geo.out) < 1:
+            raise SpecError(f"conv2d: the kernel {list(geo.kernel)} (dilation "
+                            f"{list(geo.dilation)}) does not fit the padded image "
+                            f"{shape[2] + 2 * geo.pad[0]}x{shape[3] + 2 * geo.pad[1]}")
+        return geo
+
+    @property
+    def out(self) -> tuple:
+        return tuple((n + 2 * p - d * (r - 1) - 1) // s + 1 for n, p, d, r, s in
+                     zip((self.h, self.w), self.pad, self.dilation, self.kernel, self.stride))
+
+    @property
+    def weights(self) -> tuple:
+        kh, kw = self.kernel
+        if self.groups == 1:
+            return self.k, self.c, kh, kw
+        return self.groups, self.k // self.groups, self.c // self.groups, kh, kw
+
+
+def signature(shape, dtype, params):
+    """``shape``: the source (N, C, H, W); ``channels``: K. Integer sources take int8 weights,
+    a float32 per-channel ``scale`` and give a float32 destination."""
+    geo = Geometry.of(tuple(shape), *(params[p] for p in
+                      ("channels", "kernel", "stride", "pad", "dilation", "groups")))
+    wei, _, out = postops.types(dtype)
+    dst = (geo.n, geo.k, *geo.out)
+    return {"src": (tuple(shape), dtype), "weights": (geo.weights, wei),
+            **postops.tensors(params["post_ops"], dst, geo.k, dtype), "dst": (dst, out)}
+
+
+def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad=(0, 0),
+         dilation=(1, 1), groups=1, spatial_pad="fused", post_ops=()):
+    src, wei, dst = layouts["src"], layouts["weights"], layouts["dst"]
+    geo = Geometry.of(src.shape, channels, kernel, stride, pad, dilation, groups)
+    if spatial_pad not in ("fused", "stage"):
+        raise SpecError(f"conv2d: spatial_pad must be 'fused' or 'stage'; got {spatial_pad!r}")
+    (sh, sw), (ph, pw), (dh, dw), (kh, kw) = geo.stride, geo.pad, geo.dilation, geo.kernel
+    cg, kg = geo.c // groups, geo.k // groups
+    # groups = 1: reduce over whole channel blocks where source and weights both have them
+    c_red = min(src.padded_shape[1], wei.padded_shape[1]) if groups == 1 else cg
+    reads_padding = c_red > cg
+    halo_covers = all(p <= min(h) for p, h in zip(geo.pad, src.paddings[2:]))
+    staged = spatial_pad == "stage" and not halo_covers
+    acc = postops.types(src.dtype)[1]
+
+    def opdef(mode):
+        x, w = Source("src", src, mode), Source("weights", wei, mode)
+        post = postops.Chain(post_ops, layouts, mode)
+        xs = PaddedCopy(x, geo.pad) if staged else x
+        rc = te.reduce_axis((0, c_red), "rc")
+        rh, rw = te.reduce_axis((0, kh), "rh"), te.reduce_axis((0, kw), "rw")
+
+        def value(n, k, oh, ow):
+            ih, iw = oh * sh - ph + rh * dh, ow * sw - pw + rw * dw
+            if groups == 1:
+                a, b = xs(n, rc, ih, iw), w(k, rc, rh, rw)
+            else:
+                g = k // kg
+                a, b = xs(n, g * cg + rc, ih, iw), w(g, k % kg, rc, rh, rw)
+            return te.sum(a.astype(acc) * b.astype(acc), axis=[rc, rh, rw])
+
+        params = {"channels": geo.k, "kernel": list(geo.kernel), "stride": list(geo.stride),
+                  "pad": list(geo.pad), "dilation": list(geo.dilation), "groups": groups,
+                  "spatial_pad": spatial_pad, "post_ops": list(post_ops)}
+        return OpDef("conv2d", [x, w, *post.sources.values()], value, reduce=True,
+                     epilogue=post, reads_padding=reads_padding, params=params,
+                     axes=[rc, rh, rw])
+
+    p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=reads_padding)
+    return materialize(opdef(p.reads), dst, p, name)
+
+
+class PaddedCopy(Source):
+    """``src`` copied into its own layout grown by a zero halo of ``pad`` on h and w: the
+    ``stage`` spatial padding, a stage of the kernel (``src_padded``) that writes the halo, so
+    the convolution reads the copy with no bounds checks."""
+
+    def __init__(self, src: Source, pad):
+        lay = src.layout
+        lay = Layout(lay.tag, lay.shape, lay.dtype, {"h": (pad[0], pad[0]), "w": (pad[1], pad[1])})
+        super().__init__("src_padded", lay, "trusted", src.storage)
+        self.src = src
+
+        def copy(*p):
+            src.bounds = {v: (0, n - 1) for v, n in zip(p, lay.physical_shape)}
+            return src(*lay.to_logical(p))
+
+        self.tensor = te.compute(lay.physical_shape, copy, name="src_padded")
+
+    def __call__(self, *idx, pad=0):
+        self.bounds = self.src.bounds   # the ranges materialize gives the kernel's sources
+        return super().__call__(*idx, pad=pad)
+
+
+def _pair(value, what, least) -> tuple:
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2 or not all(isinstance(v, int) and v >= least for v in pair):
+        raise SpecError(f"conv2d: {what} must be an integer >= {least} or a pair of them; "
+                        f"got {value!r}")
+    return pair

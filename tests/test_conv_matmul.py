@@ -1,0 +1,295 @@
+"""Convolution and matmul with fused post-ops: numpy references over blocked and plain layouts,
+odd channel counts, groups, depthwise, dilation, strides, int8; the padding contract the
+generator derives; the destination padding each policy promises; the x86 register-tiled rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.special import expit
+
+import blockpad as bp
+from blockpad.codegen.build import make_kernels
+from blockpad.codegen.spec import parse_spec
+from blockpad.codegen.targets import get_target
+from blockpad.schedules.x86_conv import RegisterTiled
+
+from .conftest import garbage
+
+RELU = {"kind": "eltwise", "algorithm": "relu"}
+SIGMOID = {"kind": "eltwise", "algorithm": "sigmoid"}
+BLK16 = {"src": "nChw16c", "weights": "OIhw16i16o", "dst": "nChw16c"}
+
+CASES = {
+    "blk16_chain": {"op": "conv2d", "shape": [2, 30, 7, 9], "channels": 20, "kernel": [3, 3],
+                    "pad": [1, 1], **BLK16, "sum": "nChw16c",
+                    "post_ops": [{"kind": "bias"}, RELU, {"kind": "sum", "scale": 0.5}]},
+    "blk8_7x7s2": {"op": "conv2d", "shape": [1, 3, 11, 10], "channels": 20, "kernel": [7, 7],
+                   "stride": [2, 2], "pad": [3, 3], "src": "nChw8c", "weights": "OIhw8i8o",
+                   "dst": "nChw8c", "sum": "nChw8c", "post_ops": [{"kind": "sum"}, SIGMOID]},
+    "plain_dilated": {"op": "conv2d", "shape": [1, 5, 9, 8], "channels": 6, "kernel": [3, 3],
+                      "pad": [2, 2], "dilation": [2, 2], "src": "nchw", "weights": "oihw",
+                      "dst": "nchw", "post_ops": [{"kind": "eltwise", "algorithm": "linear",
+                                                   "alpha": 2.0, "beta": 1.0}, {"kind": "bias"}]},
+    "nhwc": {"op": "conv2d", "shape": [1, 30, 6, 6], "channels": 16, "kernel": [3, 3],
+             "pad": [1, 1], "src": "nhwc", "weights": "OIhw16i16o", "dst": "nhwc"},
+    "groups2": {"op": "conv2d", "shape": [1, 30, 7, 7], "channels": 20, "kernel": [3, 3],
+                "pad": [1, 1], "groups": 2, "src": "nChw16c", "weights": "gOIhw8i8o",
+                "dst": "nChw16c", "post_ops": [RELU]},
+    "depthwise": {"op": "conv2d", "shape": [1, 30, 9, 9], "channels": 30, "kernel": [3, 3],
+                  "stride": [2, 2], "pad": [1, 1], "groups": 30, "src": "nChw16c",
+                  "weights": "Goihw16g", "dst": "nChw16c", "post_ops": [{"kind": "bias"}]},
+    "u8_blocked": {"op": "conv2d", "dtype": "uint8", "shape": [1, 30, 6, 7], "channels": 20,
+                   "kernel": [3, 3], "pad": [1, 1], **BLK16, "post_ops": [{"kind": "bias"}]},
+    "s8_plain": {"op": "conv2d", "dtype": "int8", "shape": [1, 3, 5, 5], "channels": 5,
+                 "kernel": [3, 3], "src": "nchw", "weights": "oihw", "dst": "nchw",
+                 "post_ops": [RELU]},
+    "f16_blocked": {"op": "conv2d", "dtype": "float16", "shape": [1, 20, 5, 6], "channels": 24,
+                    "kernel": [3, 3], "pad": [1, 1], **BLK16, "post_ops": [{"kind": "bias"}, RELU]},
+    "prepadded": {"op": "conv2d", "shape": [1, 30, 7, 7], "channels": 20, "kernel": [3, 3],
+                  "pad": [1, 1], "src": {"tag": "nChw16c", "paddings": {"h": [1, 1], "w": [1, 1]}},
+                  "weights": "OIhw16i16o", "dst": "nChw16c"},
+    "staged": {"op": "conv2d", "shape": [1, 30, 7, 7], "channels": 20, "kernel": [3, 3],
+               "pad": [1, 1], "spatial_pad": "stage", **BLK16, "post_ops": [SIGMOID]},
+    "ow_tail": {"op": "conv2d", "shape": [1, 16, 5, 13], "channels": 16, "kernel": [3, 3],
+                "pad": [1, 1], **BLK16},
+    "mm_packed": {"op": "matmul", "shape": [10, 30], "n": 20, "src": "ab", "weights": "BA16a16b",
+                  "dst": "ab", "post_ops": [{"kind": "bias"}, RELU]},
+    "mm_blocked": {"op": "matmul", "shape": [7, 30], "n": 40, "src": "aB16b",
+                   "weights": "AB16b16a", "dst": "aB16b", "sum": "aB16b",
+                   "post_ops": [SIGMOID, {"kind": "sum", "scale": 2.0}]},
+    "mm_inner_product": {"op": "matmul", "shape": [7, 13], "n": 34, "src": "ab", "weights": "ba",
+                         "dst": "ab", "post_ops": [{"kind": "eltwise", "algorithm": "relu",
+                                                    "alpha": 0.1}]},
+    "mm_u8": {"op": "matmul", "dtype": "uint8", "shape": [6, 64], "n": 32, "src": "ab",
+              "weights": "AB4b16a4b", "dst": "ab", "post_ops": [{"kind": "bias"}]},
+    "mm_s8": {"op": "matmul", "dtype": "int8", "shape": [5, 20], "n": 24, "src": "ab",
+              "weights": "BA16a16b", "dst": "aB16b"},
+}
+POLICY_CASES = {   # the policies beside dst_fused, on the cases where they differ most
+    "dst_stage": ["blk16_chain", "groups2", "u8_blocked", "mm_blocked"],
+    "on_handle": ["blk16_chain", "mm_blocked"],
+    "src": ["blk16_chain", "blk8_7x7s2", "groups2", "u8_blocked", "mm_blocked", "mm_u8"],
+}
+RUNS = [("dst_fused", c) for c in CASES] + [(p, c) for p, cs in POLICY_CASES.items() for c in cs]
+GUARD = 16
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    """One library per policy: every case under dst_fused, a few under the others."""
+    out = {}
+    for policy in ("dst_fused", *POLICY_CASES):
+        names = CASES if policy == "dst_fused" else POLICY_CASES[policy]
+        d = tmp_path_factory.mktemp(policy)
+        spec = {"library": {"policy": policy},
+                "kernel": [{**CASES[n], "name": n} for n in names]}
+        bp.build(parse_spec(spec), "host", d, log=lambda m: None)
+        out[policy] = bp.load(d)
+    return out
+
+
+# ---- numpy references -------------------------------------------------------------------------
+
+def conv_ref(x, w, stride=(1, 1), pad=(0, 0), dilation=(1, 1), groups=1):
+    """Direct convolution in float64; weights (K, C, KH, KW), or (G, K/G, C/G, KH, KW)."""
+    x, w = x.astype(np.float64), w.astype(np.float64)
+    w = w[None] if groups == 1 else w
+    g, kg, cg, kh, kw = w.shape
+    n, _, h, wd = x.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, pad, dilation
+    oh, ow = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (wd + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    out = np.zeros((n, g, kg, oh, ow))
+    for i in range(kh):
+        for j in range(kw):
+            patch = xp[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]
+            out += np.einsum("ngchw,gkc->ngkhw", patch.reshape(n, g, cg, oh, ow), w[:, :, :, i, j])
+    return out.reshape(n, g * kg, oh, ow)
+
+
+ELTWISE = {"relu": lambda x, a, b: np.where(x > 0, x, a * x), "sigmoid": lambda x, a, b: expit(x),
+           "linear": lambda x, a, b: a * x + b}
+
+
+def reference(entry, arrays: dict):
+    """The kernel's result in float64 from its named input arrays."""
+    if entry["op"] == "conv2d":
+        acc = conv_ref(arrays["src"], arrays["weights"], entry.get("stride", (1, 1)),
+                       entry.get("pad", (0, 0)), entry.get("dilation", (1, 1)), entry.get("groups", 1))
+        channel = (slice(None), None, None)
+    else:
+        acc = arrays["src"].astype(np.float64) @ arrays["weights"].astype(np.float64)
+        channel = (slice(None),)
+    v = acc * arrays["scale"][channel] if "scale" in arrays else acc
+    for p in entry.get("post_ops", []):
+        if p["kind"] == "bias":
+            v = v + arrays["bias"][channel]
+        elif p["kind"] == "sum":
+            v = v + p.get("scale", 1.0) * arrays["sum"]
+        else:
+            v = ELTWISE[p["algorithm"]](v, p.get("alpha", 0.0), p.get("beta", 0.0))
+    return v
+
+
+def inputs(kernel, rng) -> dict:
+    """Random logical arrays for every input; integers small and scales powers of two, so that
+    int8 results are exact in float32."""
+    out = {}
+    for name, role, lay, _ in kernel.signature.args:
+        if role != "in":
+            continue
+        if lay.dtype in ("int8", "uint8"):
+            lo = 0 if lay.dtype == "uint8" else -8
+            out[name] = rng.integers(lo, 8, lay.shape).astype(lay.dtype)
+        elif name == "scale":
+            out[name] = (2.0 ** rng.integers(-3, 2, lay.shape)).astype("float32")
+        elif name == "bias" and kernel.signature.args[0][2].dtype in ("int8", "uint8"):
+            out[name] = rng.integers(-20, 20, lay.shape).astype("float32")
+        else:
+            out[name] = rng.standard_normal(lay.shape).astype(lay.dtype)
+    return out
+
+
+# ---- results and destination padding under each policy ----------------------------------------
+
+@pytest.mark.parametrize("policy,case", RUNS)
+def test_matches_numpy_and_keeps_the_padding_contract(libs, policy, case, rng):
+    kernel = libs[policy][case]
+    contract = kernel.signature.padding
+    arrays = inputs(kernel, rng)
+    mems = []
+    for name, _, lay, _ in kernel.signature.args[:-1]:
+        mem = bp.Memory.from_numpy(arrays[name], lay)
+        if policy == "src":   # consumers must not trust source padding: fill it with NaN
+            mem.buffer[lay.padding_offsets()] = garbage(1, lay.dtype)[0]
+            mem.state = "dirty"
+        mems.append(mem)
+    dst_layout = kernel.signature.args[-1][2]
+    whole = garbage(dst_layout.alloc_len + 2 * GUARD, dst_layout.dtype)
+    dst = bp.Memory.from_buffer(whole[GUARD:-GUARD], dst_layout)
+    kernel(*mems, dst)
+
+    got, want = dst.to_numpy(), reference(CASES[case], arrays)
+    tolerance = {"float32": 1e-4, "float16": 2e-2}.get(CASES[case].get("dtype", "float32"))
+    if tolerance:
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+    else:
+        np.testing.assert_array_equal(got, want)          # int32 accumulation is exact
+    pad = whole[GUARD:-GUARD][dst_layout.padding_offsets()]
+    if contract["dst_writes"] in ("full", "select") or contract["dst_stage"]:
+        assert np.all(pad == 0), f"{case}: destination padding not zeroed"
+    elif contract["dst_writes"] == "valid":
+        assert np.all(np.isnan(pad)), f"{case}: 'valid' kernel wrote the destination padding"
+    assert np.all(np.isnan(whole[:GUARD])) and np.all(np.isnan(whole[-GUARD:])), \
+        f"{case}: wrote outside the destination buffer"
+
+
+def test_staged_kernel_leaves_padding_to_its_zero_pad_stage(libs, rng):
+    """dst_stage: the conv itself computes the valid region only; the stage kernel zeroes."""
+    lib = libs["dst_stage"]
+    kernel = lib["blk16_chain"]
+    arrays = inputs(kernel, rng)
+    views = [bp.Memory.from_numpy(arrays[n], lay).physical_view() for n, _, lay, _ in
+             kernel.signature.args[:-1]]
+    lay = kernel.signature.args[-1][2]
+    buf = garbage(lay.alloc_len, lay.dtype)
+    kernel.run_raw([*views, bp.Memory.from_buffer(buf, lay).physical_view()])
+    assert np.all(np.isnan(buf[lay.padding_offsets()]))
+    lib[kernel.signature.padding["dst_stage"]].run_raw([bp.Memory.from_buffer(buf, lay).physical_view()])
+    assert np.all(buf[lay.padding_offsets()] == 0)
+
+
+# ---- what the generator derives and emits -----------------------------------------------------
+
+def _with_post_ops(case, post_ops):
+    """``CASES[case]`` with another chain (and a sum tensor only if the chain has a sum)."""
+    entry = {k: v for k, v in CASES[case].items() if k != "sum"}
+    if any(p["kind"] == "sum" for p in post_ops):
+        entry["sum"] = entry["dst"]
+    return {**entry, "post_ops": post_ops}
+
+
+def _kernels(entry, policy="dst_fused", name="k"):
+    spec = {"library": {"policy": policy}, "kernel": [{**entry, "name": name}]}
+    return make_kernels(parse_spec(spec).kernels[0])
+
+
+@pytest.mark.parametrize("post_ops,dst_writes", [
+    ([], "full"), ([RELU], "full"), ([{"kind": "sum"}, RELU], "full"),
+    ([{"kind": "bias"}], "select"), ([SIGMOID], "select"), ([RELU, {"kind": "bias"}], "select"),
+])
+def test_zero_propagation_is_derived(post_ops, dst_writes):
+    """Derived from the TE, not tabulated: relu(0) = 0 and a clean sum keep zeros; a bias or
+    sigmoid(0) = 0.5 does not, so dst_fused stores an explicit zero."""
+    for case in ("blk16_chain", "mm_blocked"):
+        assert _kernels(_with_post_ops(case, post_ops))[0].contract["dst_writes"] == dst_writes
+
+
+def test_int8_output_scale_keeps_zeros():
+    assert _kernels(_with_post_ops("u8_blocked", []))[0].contract["dst_writes"] == "full"
+    assert _kernels(CASES["u8_blocked"])[0].contract["dst_writes"] == "select"   # + bias
+
+
+def test_src_policy_contract():
+    """Blocked conv and matmul reduce over padded channel blocks: masking would sit in the
+    innermost loop, so they ask for clean sources (a zero-pad stage); grouped conv reduces
+    exactly and masks its reads instead."""
+    for case in ("blk16_chain", "mm_blocked"):
+        c = _kernels(CASES[case], "src")[0].contract
+        assert c["src_stage"] is True and c["requires"] == "clean" and c["reads"] == "trusted"
+    c = _kernels(CASES["groups2"], "src")[0].contract
+    assert c["src_stage"] is False and c["requires"] == "any" and c["reads"] == "masked"
+
+
+def _acc_block(script):
+    return script[script.index('T.sblock("acc")'):]
+
+
+def test_spatial_padding_three_ways():
+    fused = _kernels(CASES["blk16_chain"])[0]
+    pre = _kernels(CASES["prepadded"])[0]
+    staged = _kernels(CASES["staged"])[0]
+    assert "T.if_then_else" in _acc_block(fused.func.script())       # predicate in the load
+    assert "T.if_then_else" not in _acc_block(pre.func.script())     # halo: no bounds checks
+    assert 'T.sblock("src_padded")' in staged.func.script()           # a separate pad stage
+    assert "T.if_then_else" not in _acc_block(staged.func.script())
+
+
+def test_arguments_follow_the_post_op_tensors():
+    assert [a.name for a in _kernels(CASES["blk16_chain"])[0].args] == \
+        ["src", "weights", "bias", "sum", "dst"]
+    assert [a.name for a in _kernels(CASES["u8_blocked"])[0].args] == \
+        ["src", "weights", "scale", "bias", "dst"]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"groups": 4}, "groups must divide"),
+    ({"post_ops": [{"kind": "prelu"}]}, "kind must be one of"),
+    ({"post_ops": [{"kind": "bias"}, {"kind": "bias"}]}, "at most one 'bias'"),
+    ({"post_ops": [{"kind": "sum"}], "sum": "nchw"}, "sum post-op: its layout"),
+    ({"kernel": [9, 9], "pad": [0, 0]}, "does not fit"),
+    ({"spatial_pad": "mirror"}, "spatial_pad must be"),
+    ({"dtype": "int32"}, "expected one of float32"),
+])
+def test_spec_errors(change, message):
+    entry = {**_with_post_ops("blk16_chain", []), **change}
+    with pytest.raises(bp.SpecError, match=message):
+        _kernels(entry)
+
+
+# ---- the x86 rule -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["dst_fused", "dst_stage"])
+@pytest.mark.parametrize("case", CASES)
+def test_register_tiled_rule_takes_every_case(case, policy):
+    """Every case gets the micro-kernel (the tile's accumulators in a local buffer, the
+    epilogue fused into it, outer loops parallel), the valid plan's predicated stages too."""
+    sch = RegisterTiled().apply(_kernels(CASES[case], policy)[0].func, get_target("host"))
+    script = sch.mod["main"].script()
+    assert "acc_local" in script and "T.parallel" in script and "T.vectorized" in script
+
+
+def test_register_tiled_rule_leaves_other_ops():
+    relu = _kernels({"op": "eltwise", "shape": [1, 30, 3, 3], "src": "nChw16c", "dst": "nChw16c"})
+    assert RegisterTiled().apply(relu[0].func, get_target("host")) is None
