@@ -2,17 +2,34 @@
 
 Importing blockpad is cheap and does not import TVM's compiler: ``Layout``, ``Memory`` and
 ``load`` are all a deployed program needs. ``build`` (and the ops) load the compiler on first
-use."""
+use; so does a ``Graph`` or ``KernelCache`` that meets a kernel no library or cache directory
+holds (the JIT, ``blockpad.jit``, registered here as the default cache's compiler)."""
 
 from .errors import (ArgumentError, BlockpadError, BuildError, LayoutError, LoadError,
                      MissingCPUFeatureError, SpecError)
 from .layout import Layout
-from .runtime import Library, Memory, load
+from .runtime import (Graph, KernelCache, KernelNotFound, Library, Memory, Report, SubMemoryError,
+                      load)
+from .runtime import cache as _cache
+from . import jit as _jit
+
+_cache.set_default_compiler(_jit.compile_kernels)
 
 __version__ = "0.1.0"
 
-__all__ = ["ArgumentError", "BlockpadError", "BuildError", "Layout", "LayoutError", "Library",
-           "LoadError", "Memory", "MissingCPUFeatureError", "SpecError", "build", "load"]
+__all__ = ["ArgumentError", "BlockpadError", "BuildError", "Graph", "KernelCache",
+           "KernelNotFound", "Layout", "LayoutError", "Library", "LoadError", "Memory",
+           "MissingCPUFeatureError", "Report", "SpecError", "SubMemoryError", "build", "jit_cache",
+           "load"]
+
+
+def jit_cache(libraries=(), cache_dir=None, capacity=None, target="host") -> KernelCache:
+    """A KernelCache over prebuilt ``libraries`` that compiles what they lack with the JIT
+    (``blockpad.jit``) into ``cache_dir`` (default ``$BLOCKPAD_CACHE_DIR`` or
+    ``~/.cache/blockpad``)."""
+    kw = {"capacity": capacity} if capacity else {}
+    return KernelCache(libraries, compiler=_jit.compile_kernels, cache_dir=cache_dir,
+                       target=target, **kw)
 
 
 def build(spec, target="host", out_dir="build", force=False, log=None):

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     p.set_defaults(run=_inspect, kind="tir")
 
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
-    p.add_argument("what", choices=["reorder", "ops"])
+    p.add_argument("what", choices=["reorder", "ops", "resnet"])
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
@@ -100,6 +100,11 @@ def _report(args):
 
 
 def _bench(args):
+    if args.what == "resnet":
+        from .bench import resnet
+
+        resnet.main(repeat=args.repeat, threads=args.threads, quick=args.quick)
+        return
     if args.what == "ops":
         from .bench import ops
 

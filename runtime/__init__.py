@@ -3,7 +3,10 @@
 Nothing here imports TVM's compiler (``tvm`` itself takes a second to import): libraries are
 loaded with ``tvm_ffi`` plus TVM's runtime library, so a deployed process starts fast."""
 
+from .cache import KernelCache, KernelNotFound, Request
+from .graph import Graph, Report, Result, Results, Tensor
 from .library import Library, load
-from .memory import Memory
+from .memory import Memory, SubMemoryError
 
-__all__ = ["Library", "Memory", "load"]
+__all__ = ["Graph", "KernelCache", "KernelNotFound", "Library", "Memory", "Report", "Request",
+           "Result", "Results", "SubMemoryError", "Tensor", "load"]

@@ -59,19 +59,34 @@ class Kernel:
         self._run(mems)
         return None
 
-    def _run(self, mems):
+    def _run(self, mems, views=None):
+        """Honour the padding contract around one call. ``views``: a function giving the
+        kernel views of ``mems`` (a BoundCall's cache); default: made afresh."""
         sig = self.signature
         for m in mems:
             m.wait()
         sources = [m for m, a in zip(mems, sig.args) if a[1] in ("in", "inout")]
         contract = sig.padding
         padding.before_call(contract, [m for m in sources if m.layout.has_padding])
-        self.run_raw([_kernel_view(m, spec) for m, spec in zip(mems, sig.args)])
+        self.run_raw(views() if views is not None else
+                     [_kernel_view(m, spec) for m, spec in zip(mems, sig.args)])
         stage = contract.get("dst_stage") if contract else None
         for m, spec in zip(mems, sig.args):
             if spec[1] != "in":
                 padding.after_call(contract, sources, m,
                                    self._library[stage] if stage else None)
+
+    def bind(self, *args) -> BoundCall:
+        """Check the arguments once and return a call that runs the kernel on them again and
+        again (oneDNN's primitive + argument map): no per-call argument checks or view making,
+        the padding contract still honoured on every call."""
+        sig = self.signature
+        if len(args) != len(sig.args):
+            raise ArgumentError(f"{sig.name}: expected {len(sig.args)} arguments "
+                                f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
+        mems = [_as_memory(value, sig.name, *spec) for value, spec in zip(args, sig.args)]
+        _check_no_alias(sig, [m.physical_view() for m in mems])
+        return BoundCall(self, mems)
 
     def run_raw(self, views):
         """Call the compiled function on prepared views: no checks, no padding work."""
@@ -79,6 +94,32 @@ class Kernel:
 
     def __repr__(self):
         return f"<blockpad kernel {self.signature!r}>"
+
+
+class BoundCall:
+    """A kernel bound to Memory arguments; calling it runs the kernel. The kernel views are
+    made once and remade only if a memory's buffer changed (``set_data_handle``, or a zero-pad
+    that had to copy a read-only buffer)."""
+
+    def __init__(self, kernel: Kernel, mems):
+        self.kernel = kernel
+        self.mems = mems
+        self._buffers = None
+        self._views = None
+
+    def _current_views(self):
+        bufs = [m.buffer for m in self.mems]
+        if self._buffers is None or any(a is not b for a, b in zip(bufs, self._buffers)):
+            self._views = [_kernel_view(m, spec)
+                           for m, spec in zip(self.mems, self.kernel.signature.args)]
+            self._buffers = bufs
+        return self._views
+
+    def __call__(self):
+        self.kernel._run(self.mems, self._current_views)
+
+    def __repr__(self):
+        return f"<bound {self.kernel!r}>"
 
 
 class Library:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from blockpad.errors import ArgumentError
+from blockpad.errors import ArgumentError, BlockpadError
 from blockpad.layout import Layout, numpy_dtype
 
 ALIGNMENT = 64  # bytes; what vector code likes and what TVM's own allocations give
@@ -21,6 +21,10 @@ def aligned_empty(n: int, dtype) -> np.ndarray:
 CLEAN, DIRTY, UNKNOWN = "clean", "dirty", "unknown"
 
 
+class SubMemoryError(BlockpadError, ValueError):
+    """A sub-memory whose padding state could not be kept correct, refused."""
+
+
 class Memory:
     """``layout`` + a flat buffer of at least ``layout.alloc_len`` elements + the state of its
     padding (``clean``: zero, ``dirty``: anything, ``unknown``).
@@ -33,10 +37,66 @@ class Memory:
         if not isinstance(layout, Layout):
             raise ArgumentError(f"layout: expected a blockpad.Layout; got {type(layout).__name__}")
         self.layout = layout
+        self._parent = None          # the memory a sub-memory is a view of
         self.buffer = _check_buffer(buffer, layout)
-        self.state = state if layout.has_padding else CLEAN   # nothing to be dirty
+        self._gen = 0                # bumped whenever this memory's state is set as a whole
+        self._state = state if layout.has_padding else CLEAN   # nothing to be dirty
         self.library = library
         self.pending = None          # Event of an asynchronous zero-pad still running
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The flat buffer; a sub-memory's is a window of its parent's current buffer, so a
+        parent's ``set_data_handle`` moves its views along."""
+        p = self._parent
+        if p is not None and self._root_buffer is not p.buffer:
+            self._root_buffer = p.buffer
+            self._buffer = p.buffer[self._origin:self._origin + self.layout.alloc_len]
+        return self._buffer
+
+    @buffer.setter
+    def buffer(self, value) -> None:
+        if self._parent is not None:
+            # a view given a buffer of its own (a zero-pad had to copy a read-only parent's
+            # window): it is no longer a view, and its state is its own from now on
+            state = self.state
+            self._parent = None
+            self._state = state
+        self._buffer = value
+
+    # ---- padding state -------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """``clean`` / ``dirty`` / ``unknown``. A sub-memory's padding is part of its parent's
+        padding, so the two stay consistent: a parent made clean (zero-padded) makes its views
+        clean; a parent written as a whole gives its views its own state; a view that gets dirty
+        makes its parent, and every other view of it, dirty (they may overlap); a view made
+        clean says nothing of the rest of the parent."""
+        p = self._parent
+        if p is None:
+            return self._state
+        whole = p._state
+        if whole == CLEAN or self._gen != p._gen:
+            return whole
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        if not self.layout.has_padding:
+            value = CLEAN
+        p = self._parent
+        if p is None:
+            self._state = value
+            self._gen += 1
+            return
+        if value != CLEAN:
+            # part of the parent is no longer clean, and so may be any view overlapping this
+            # one: they all fall back to the parent's state (bumped generation)
+            if p._state != DIRTY:
+                p._state = DIRTY if value == DIRTY else UNKNOWN
+            p._gen += 1
+        self._state = value
+        self._gen = p._gen
 
     @property
     def policy(self):
@@ -54,6 +114,9 @@ class Memory:
         A read-only buffer is never written: if it must be zero-padded it is copied first."""
         from .padding import zero_pad
 
+        if self._parent is not None:
+            raise ArgumentError("set_data_handle: this memory is a sub-memory (a view of its "
+                                "parent's buffer); set the parent's handle instead")
         self.wait()
         self.buffer = _check_buffer(np.asarray(buffer), self.layout)
         self.state = CLEAN if clean or not self.layout.has_padding else UNKNOWN
@@ -67,6 +130,8 @@ class Memory:
 
     def wait(self):
         """Wait for an asynchronous zero-pad of this memory, if one is running."""
+        if self._parent is not None:
+            self._parent.wait()
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.wait()
@@ -78,6 +143,69 @@ class Memory:
 
         self.wait()
         zero_pad(self, blocking=True)
+
+    # ---- sub-memories --------------------------------------------------------------------------
+    def submemory(self, dims, offsets) -> Memory:
+        """A view of the region ``offsets .. offsets + dims`` (logical indices, oneDNN's
+        ``submemory_desc``), sharing this memory's buffer and padding state (see ``state``).
+
+        Seed 001's caveat: a view has padding of its own, and whoever zero-pads it writes there.
+        A view is therefore made only where its padding is the parent's padding too, and
+        refused otherwise (BlockpadError saying why): a region of whole outer dims (batch, a
+        window of rows) is always fine; along a blocked dim it must start on a block boundary
+        and end on one or at the parent's end, else zero-padding the view would wipe parent
+        elements that sit in the view's last block."""
+        root = self._parent or self
+        base_off = self._view_origin()
+        lay = self.layout
+        dims = tuple(int(d) for d in dims)
+        offsets = tuple(int(o) for o in offsets)
+        if len(dims) != lay.rank or len(offsets) != lay.rank:
+            raise ArgumentError(f"submemory: layout {lay} has {lay.rank} dims; got dims {dims} "
+                                f"and offsets {offsets}")
+        for d, (n, o) in enumerate(zip(dims, offsets)):
+            if n <= 0 or o < 0 or o + n > lay.shape[d]:
+                raise ArgumentError(f"submemory: dim {lay.dims[d]}: region {o}..{o + n} is not "
+                                    f"inside 0..{lay.shape[d]}")
+        for d, o in enumerate(offsets):
+            block = lay.block_of(d)
+            if o % block:
+                raise SubMemoryError(
+                    f"submemory: offset {o} along {lay.dims[d]} is inside a block of {block} "
+                    f"of layout {lay.tag}: a view cannot start mid-block (its elements would "
+                    f"not be laid out as {lay.tag}); use an offset that is a multiple of {block}")
+        view = Layout(lay.tag, dims, lay.dtype, None, lay.physical_strides)
+        origin = lay.offset(lay.to_physical(offsets)) - lay.elem_offset
+        start = base_off + lay.elem_offset + origin
+        if view.has_padding:
+            parent_logical = lay.logical_offsets().reshape(-1) - lay.elem_offset
+            clash = np.intersect1d(view.padding_offsets() + origin, parent_logical)
+            if clash.size:
+                bad = [d for d in range(lay.rank) if (offsets[d] + dims[d]) % lay.block_of(d)
+                       and offsets[d] + dims[d] < lay.shape[d]]
+                which = ", ".join(
+                    f"{lay.dims[d]} {offsets[d] + dims[d]}.."
+                    f"{min(lay.shape[d], offsets[d] + view.padded_shape[d]) - 1}"
+                    for d in bad) or f"{clash.size} elements"
+                raise SubMemoryError(
+                    f"submemory: the view's padding would cover elements of the parent "
+                    f"({which}): zero-padding the view, which its policy may do at any time, "
+                    f"would destroy them (seed 001's sub-memory caveat). Along a blocked dim a "
+                    f"view must end on a block boundary or at the parent's end")
+        buf = root.buffer[start:start + view.alloc_len]
+        mem = Memory(view, buf, library=self.library)
+        mem._state = self.state if view.has_padding else CLEAN
+        mem._parent, mem._origin, mem._root_buffer = root, start, root.buffer
+        mem._gen = root._gen
+        return mem
+
+    def _view_origin(self) -> int:
+        """Where this memory's buffer starts in its root's buffer (0 for a root)."""
+        return self._origin if self._parent is not None else 0
+
+    @property
+    def parent(self):
+        return self._parent
 
     @classmethod
     def empty(cls, layout: Layout) -> Memory:

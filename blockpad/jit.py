@@ -1,0 +1,48 @@
+"""The JIT compiler the kernel cache calls for kernels no prebuilt library has.
+
+It sits above the runtime (``blockpad.runtime`` never imports the code generator or TVM's
+compiler; the cache takes this module's ``compile_kernels`` as a callable), and imports
+``blockpad.codegen`` only when a kernel must actually be compiled, so a process whose kernels
+are all prebuilt or already in the disk cache never pays for ``import tvm``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+from pathlib import Path
+
+
+def compile_kernels(entries, policy, target, out_dir) -> None:
+    """Build the spec ``entries`` (build-spec kernel tables) for ``target`` into ``out_dir``,
+    as one library under ``policy`` (None: the default policy)."""
+    from blockpad.codegen.build import build
+    from blockpad.codegen.policy import DEFAULT_POLICY
+    from blockpad.codegen.spec import parse_spec
+
+    doc = {"library": {"name": "jit", "policy": policy or DEFAULT_POLICY},
+           "kernel": [dict(e) for e in entries]}
+    build(parse_spec(doc, "jit request"), target, out_dir, force=True, log=lambda msg: None)
+
+
+@functools.lru_cache(maxsize=1)
+def fingerprint() -> str:
+    """Hash of the sources that decide what a build emits (layouts, the code generator, the
+    schedules), found by path so that nothing is imported: disk cache entries made by another
+    version are rebuilt. Same file set as ``codegen.build.code_digest``."""
+    import blockpad
+    from blockpad import errors, layout
+
+    files = [Path(layout.__file__), Path(errors.__file__)]
+    for pkg in ("blockpad.codegen", "blockpad.schedules"):
+        spec = importlib.util.find_spec(pkg)
+        for root in spec.submodule_search_locations or []:
+            files += sorted(Path(root).rglob("*.py"))
+    h = hashlib.sha256(blockpad.__version__.encode())
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+compile_kernels.fingerprint = fingerprint

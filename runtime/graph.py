@@ -1,0 +1,1078 @@
+"""Graphs of ops run on numpy inputs, the way a framework integrates blocked kernels (seed 004):
+
+    g = Graph(policy="tracked")
+    x = g.input("x", (1, 30, 14, 14))
+    w = g.constant("w", weights)                  # reordered once to a blocked layout, kept
+    y = g.relu(g.conv2d(x, w, pad=1))
+    z = g.softmax(g.add(y, x), axis=1)
+    g.output(z)
+    res = g.run(x=array)                          # kernels from the cache (JIT on first use)
+    res["softmax_0"].numpy()                      # reordered to plain now, not before
+    print(res.report)
+
+Planning (once per set of input layouts) runs the passes:
+
+* **post-op fusion** (``passes.fuse_post_ops``): an eltwise that is a convolution's only reader
+  runs inside the convolution's kernel (oneDNN's eltwise post-op; the sum post-op, for an add,
+  on request: ``fuse=("eltwise", "sum")``);
+* **in place** (``passes.inplace_pass``, seed 003): eltwise, softmax and binary ops overwrite
+  their input where the seed's rules allow;
+* **layout propagation**: convolutions run on blocked layouts (``nChw16c``/``nChw8c`` and blocked
+  weights); eltwise, binary and softmax follow their input's layout, so data stays blocked
+  between ops; a reorder is inserted only where a consumer needs a layout no version of the
+  value has (each version made once, shared by every consumer); results are reordered to plain
+  only when the caller reads them; weights are reordered once and kept, and re-reordered when
+  the caller's array changes (``weights="check"``: an adler32 of each weight per run) or when
+  told (``weights="frozen"``: a snapshot, refreshed by ``set_constant``);
+* **fallback**: an op whose blocked kernel cannot be had (not prebuilt, not compilable) runs on
+  plain layouts; one with no kernel at all runs its numpy reference;
+* **memory planning**: buffers of intermediate values share slots of an arena once their last
+  reader has run; in-place ops share their input's buffer, which lowers the peak.
+
+Padding policy: every memory the graph makes follows the graph's policy (its kernels are built
+or picked for it): a buffer is given to its memory (``set_data_handle``) when its producer is
+about to write it, so ``on_handle``/``user`` zero-pad there, and ``tracked`` zero-pads only where
+a consumer needs clean padding that its producer did not leave.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from blockpad.errors import ArgumentError
+from blockpad.layout import Layout, dtype_name, numpy_dtype
+
+from . import counters
+from .cache import KernelCache, Request, default_cache
+from .graph_ops import ELTWISE, OPS, plain
+from .memory import CLEAN, Memory, aligned_empty
+from .padding import zero_pad
+from .passes import InplaceResult, Node, fuse_post_ops, inplace_pass
+
+POLICIES = ("on_handle", "dst_fused", "dst_stage", "src", "tracked", "user")
+
+
+class Tensor:
+    """A value of a graph under construction."""
+
+    __slots__ = ("graph", "name", "shape", "dtype")
+
+    def __init__(self, graph, name, shape, dtype):
+        self.graph, self.name, self.shape, self.dtype = graph, name, tuple(shape), dtype
+
+    def __add__(self, other):
+        return self.graph.add(self, other)
+
+    def __mul__(self, other):
+        return self.graph.mul(self, other)
+
+    def __repr__(self):
+        return f"<Tensor {self.name} {list(self.shape)} {self.dtype}>"
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+@dataclass
+class Report:
+    policy: str
+    ops: int = 0                    # graph ops run
+    kernels: int = 0                # kernel calls (reorders included)
+    reorders: int = 0               # activation reorders run (inserted by layout propagation)
+    weight_reorders: int = 0        # weight reorders run (first run, or after a change)
+    output_reorders: int = 0        # results reordered to plain because the caller read them
+    inplace: list = field(default_factory=list)     # ops run in place
+    fused: list = field(default_factory=list)       # ops run as a convolution's post-op
+    fallbacks: dict = field(default_factory=dict)   # op -> "plain" / "numpy": no blocked kernel
+    zero_pad_calls: int = 0
+    zero_pad_bytes: int = 0
+    zero_pad_blocking: int = 0
+    peak_bytes: int = 0             # peak of live intermediate and result buffers (liveness)
+    arena_bytes: int = 0            # bytes the planned arena holds (slots reused)
+    weight_bytes: int = 0           # prepared (reordered) weights, kept between runs
+    cache: dict = field(default_factory=dict)       # kernel-cache counters during this run
+    seconds: float = 0.0
+
+    def as_dict(self):
+        return dict(self.__dict__)
+
+    def __str__(self):
+        kib = lambda n: f"{n / 1024:.1f} KiB"  # noqa: E731
+        cache = ", ".join(f"{k} {v}" for k, v in self.cache.items() if v)
+        lines = [
+            f"policy {self.policy}: {self.ops} ops, {self.kernels} kernel calls, "
+            f"{1e3 * self.seconds:.2f} ms",
+            f"  reorders      {self.reorders} activation, {self.weight_reorders} weight, "
+            f"{self.output_reorders} result (lazy)",
+            f"  in place      {len(self.inplace)}: {', '.join(self.inplace) or '-'}",
+            f"  fused         {', '.join(self.fused) or '-'}",
+            f"  fallbacks     {', '.join(f'{k} ({v})' for k, v in self.fallbacks.items()) or '-'}",
+            f"  zero-pads     {self.zero_pad_calls} calls, {self.zero_pad_bytes} bytes, "
+            f"{self.zero_pad_blocking} blocking",
+            f"  memory        peak {kib(self.peak_bytes)} live, arena {kib(self.arena_bytes)}, "
+            f"weights {kib(self.weight_bytes)}",
+            f"  kernel cache  {cache or '-'}",
+        ]
+        return "\n".join(lines)
+
+
+# ---- results ----------------------------------------------------------------------------------
+
+class Result:
+    """A graph result: held in whatever layout its producer wrote (``memory``), reordered to
+    plain only when ``numpy()`` is called (then kept)."""
+
+    def __init__(self, name, memory: Memory, plan, report: Report, lock):
+        self.name = name
+        self.memory = memory
+        self._plan = plan
+        self._report = report
+        self._array = None
+        self._lock = lock
+
+    @property
+    def layout(self) -> Layout:
+        return self.memory.layout
+
+    @property
+    def shape(self):
+        return self.memory.layout.shape
+
+    def numpy(self) -> np.ndarray:
+        with self._lock:
+            if self._array is None:
+                self._array = self._plan.to_plain(self.memory, self._report)
+            return self._array
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.numpy()
+        return a.astype(dtype) if dtype is not None else a
+
+    def __repr__(self):
+        return f"<Result {self.name} {self.layout}>"
+
+
+class Results(dict):
+    """``{output name: Result}`` plus the run's ``report``."""
+
+    def __init__(self, items, report):
+        super().__init__(items)
+        self.report = report
+
+    def numpy(self) -> dict:
+        return {k: v.numpy() for k, v in self.items()}
+
+
+# ---- the graph --------------------------------------------------------------------------------
+
+class Graph:
+    """A graph of ops; see the module docstring.
+
+    ``policy``: the padding policy its kernels are built for (default: the first library's, else
+    ``dst_fused``). ``cache``: the KernelCache (default: a private one over ``libraries`` if
+    given, else the process-wide one). ``inplace``: run the in-place pass. ``layouts``:
+    ``"blocked"`` (propagate blocked layouts) or ``"plain"`` (every op on plain layouts: the
+    baseline). ``block``: the channel block of blocked activations (8 or 16; None: 16 unless
+    every channel count fits 8 better). ``weights``: ``"check"`` or ``"frozen"`` (see the
+    module docstring). ``fuse``: which of a convolution's only readers run inside its kernel
+    as oneDNN post-ops: ``"eltwise"``, ``"sum"`` (an add), both, or none (False/()). ``sum`` is
+    off by default: its kernel measured 2.5x slower here than the convolution plus a separate
+    add (conv2d with a sum post-op takes a slower schedule, 8.1 ms vs 3.1 + 0.1 ms on
+    1x62x56x56)."""
+
+    def __init__(self, policy=None, cache: KernelCache | None = None, libraries=(),
+                 inplace=True, layouts="blocked", block=None, weights="check",
+                 fuse=("eltwise",), name="graph"):
+        libraries = list(libraries)
+        if policy is None:
+            policy = next((lib.policy for lib in libraries if lib.policy), "dst_fused")
+        if policy not in POLICIES:
+            raise ArgumentError(f"policy: expected one of {', '.join(POLICIES)}; got {policy!r}")
+        if layouts not in ("blocked", "plain"):
+            raise ArgumentError(f"layouts: expected 'blocked' or 'plain'; got {layouts!r}")
+        if weights not in ("check", "frozen"):
+            raise ArgumentError(f"weights: expected 'check' or 'frozen'; got {weights!r}")
+        if block not in (None, 8, 16):
+            raise ArgumentError(f"block: expected 8, 16 or None; got {block!r}")
+        if cache is None:
+            if libraries:
+                base = default_cache()
+                cache = KernelCache(libraries, compiler=base.compiler, cache_dir=base.cache_dir,
+                                    target=base.target)
+            else:
+                cache = default_cache()
+        else:
+            for lib in libraries:
+                cache.add_library(lib)
+        self.name = name
+        self.policy = policy
+        self.cache = cache
+        self.inplace = inplace
+        self.layouts = layouts
+        self.block = block
+        self.weights = weights
+        if fuse is True:
+            fuse = ("eltwise", "sum")
+        unknown = set(fuse or ()) - {"eltwise", "sum"}
+        if unknown:
+            raise ArgumentError(f"fuse: expected 'eltwise' and/or 'sum'; got {sorted(unknown)}")
+        self.fuse = frozenset(fuse or ())
+        self.nodes: list[Node] = []
+        self.inputs: dict = {}        # name -> (shape, dtype)
+        self.constants: dict = {}     # name -> array (the caller's, or a snapshot if frozen)
+        self.outputs: list = []
+        self._types: dict = {}        # var name -> (shape, dtype) of its latest definition
+        self._counts: dict = {}
+        self._plans: dict = {}
+        self._lock = threading.RLock()
+        self._weights: dict = {}      # (constant, Layout) -> prepared Memory
+        self._weight_sums: dict = {}  # constant -> adler32 when its weights were prepared
+        self._stale: set = set()
+
+    # ---- building -----------------------------------------------------------------------------
+    def _fresh(self, base):
+        while True:
+            n = self._counts.get(base, 0)
+            self._counts[base] = n + 1
+            name = f"{base}_{n}"
+            if name not in self._types:
+                return name
+
+    def _changed(self):
+        self._plans.clear()
+
+    def _var(self, t) -> str:
+        if isinstance(t, Tensor):
+            if t.graph is not self:
+                raise ArgumentError(f"{t.name} belongs to another graph")
+            return t.name
+        if isinstance(t, str) and t in self._types:
+            return t
+        raise ArgumentError(f"expected a Tensor of this graph (or a variable name); got {t!r}")
+
+    def input(self, name, shape, dtype="float32") -> Tensor:
+        """A value the caller passes to ``run`` (a numpy array, or a Memory in any layout)."""
+        if name in self._types:
+            raise ArgumentError(f"{name!r} is already a variable of this graph")
+        dtype = dtype_name(dtype)
+        self.inputs[name] = (tuple(int(s) for s in shape), dtype)
+        self._types[name] = self.inputs[name]
+        self._changed()
+        return Tensor(self, name, shape, dtype)
+
+    def constant(self, name, array) -> Tensor:
+        """A weight: reordered to the layout its consumer wants once, and kept. Never written."""
+        if name in self._types:
+            raise ArgumentError(f"{name!r} is already a variable of this graph")
+        array = np.asarray(array)
+        dtype_name(array.dtype)
+        self.constants[name] = self._keep(array)
+        self._types[name] = (array.shape, dtype_name(array.dtype))
+        self._changed()
+        return Tensor(self, name, array.shape, dtype_name(array.dtype))
+
+    def _keep(self, array):
+        if self.weights == "frozen":
+            array = np.array(array, order="C")       # a snapshot: the caller's later writes
+            array.setflags(write=False)              # do nothing until set_constant
+        return array
+
+    def set_constant(self, name, array) -> None:
+        """Give a constant new values (same shape and dtype): its prepared weights are
+        re-reordered before the next run. The way to refresh under ``weights="frozen"``."""
+        if name not in self.constants:
+            raise ArgumentError(f"{name!r} is not a constant of this graph")
+        array = np.asarray(array)
+        if (array.shape, dtype_name(array.dtype)) != self._types[name]:
+            raise ArgumentError(f"{name}: expected {self._types[name]}; got {array.shape} "
+                                f"{array.dtype}")
+        with self._lock:
+            self.constants[name] = self._keep(array)
+            self._stale.add(name)
+
+    def add_op(self, op, inputs, attrs=None, name=None, outputs=None, n_outputs=1):
+        """Append an op (``op`` a key of graph_ops.OPS) and return its output Tensor(s)."""
+        if op not in OPS:
+            raise ArgumentError(f"op: expected one of {', '.join(OPS)}; got {op!r}")
+        ins = [self._var(t) for t in inputs]
+        name = name or self._fresh(op)
+        if any(n.name == name for n in self.nodes):
+            raise ArgumentError(f"an op named {name!r} exists already")
+        node = Node(name, op, ins, [], dict(attrs or {}))
+        types = OPS[op].infer(node, [self._types[v] for v in ins])
+        if outputs is None:
+            outputs = [name] if len(types) == 1 else [f"{name}:{i}" for i in range(len(types))]
+            taken = [o for o in outputs if o in self._types]
+            if taken:
+                raise ArgumentError(f"{name}: {taken[0]!r} is already a variable; name the op "
+                                    f"differently (or pass out= to write a variable again)")
+        outputs = [o if isinstance(o, str) else o.name for o in outputs]
+        if len(outputs) != len(types):
+            raise ArgumentError(f"{name}: {op} makes {len(types)} outputs; got names {outputs}")
+        for o, t in zip(outputs, types):
+            if o in self.inputs or o in self.constants:
+                raise ArgumentError(f"{name}: cannot write {o!r}, a graph input or constant")
+            self._types[o] = (tuple(t[0]), dtype_name(t[1]))
+        node.outputs = list(outputs)
+        node.orig_outputs = list(outputs)
+        self.nodes.append(node)
+        self._changed()
+        tensors = [Tensor(self, o, *self._types[o]) for o in outputs]
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+    def eltwise(self, x, algorithm="relu", alpha=0.0, beta=0.0, name=None, out=None) -> Tensor:
+        if algorithm not in ELTWISE:
+            raise ArgumentError(f"eltwise algorithm: expected one of {', '.join(ELTWISE)}; "
+                                f"got {algorithm!r}")
+        return self.add_op("eltwise", [x], {"algorithm": algorithm, "alpha": float(alpha),
+                                            "beta": float(beta)}, name, _outs(out))
+
+    def relu(self, x, alpha=0.0, name=None):
+        return self.eltwise(x, "relu", alpha, name=name)
+
+    def gelu(self, x, approximate="erf", name=None):
+        return self.eltwise(x, "gelu_" + approximate, name=name)
+
+    def sigmoid(self, x, name=None):
+        return self.eltwise(x, "sigmoid", name=name)
+
+    def tanh(self, x, name=None):
+        return self.eltwise(x, "tanh", name=name)
+
+    def exp(self, x, name=None):
+        return self.eltwise(x, "exp", name=name)
+
+    def linear(self, x, alpha=1.0, beta=0.0, name=None):
+        return self.eltwise(x, "linear", alpha, beta, name=name)
+
+    def binary(self, a, b, algorithm="add", name=None, out=None) -> Tensor:
+        if algorithm not in ("add", "mul"):
+            raise ArgumentError(f"binary algorithm: expected add or mul; got {algorithm!r}")
+        a_t, b_t = self._types[self._var(a)], self._types[self._var(b)]
+        if a_t[0] != b_t[0] and len(a_t[0]) == len(b_t[0]) and \
+                all(x >= y for x, y in zip(b_t[0], a_t[0])):
+            a, b = b, a      # commutative: the full-shape operand first (the kernel's src0)
+        return self.add_op("binary", [a, b], {"algorithm": algorithm}, name, _outs(out))
+
+    def add(self, a, b, name=None):
+        return self.binary(a, b, "add", name)
+
+    def mul(self, a, b, name=None):
+        return self.binary(a, b, "mul", name)
+
+    def softmax(self, x, axis=1, name=None, out=None, log=False) -> Tensor:
+        """Softmax over ``axis`` (the blocked channel axis by default); ``log``: log-softmax."""
+        rank = len(self._types[self._var(x)][0])
+        if not -rank <= axis < rank:
+            raise ArgumentError(f"softmax axis {axis}: the input has {rank} dims")
+        return self.add_op("softmax", [x], {"axis": axis % rank, "log": bool(log)}, name,
+                           _outs(out))
+
+    def log_softmax(self, x, axis=1, name=None, out=None) -> Tensor:
+        return self.softmax(x, axis, name, out, log=True)
+
+    def conv2d(self, x, weights, bias=None, stride=1, pad=0, dilation=1, groups=1,
+               post_ops=(), sum=None, name=None, out=None) -> Tensor:  # noqa: A002 (oneDNN's)
+        """2-D convolution, NCHW source, OIHW weights (``groups`` > 1: O x I/groups x H x W).
+        ``pad``: symmetric, an int or (h, w). ``post_ops``: oneDNN's chain
+        fused into the kernel, e.g. ``["bias", "relu"]`` or dicts ``{"kind": "eltwise",
+        "algorithm": "relu"}``, ``{"kind": "sum", "scale": 1.0}`` (reads ``sum``). A ``bias``
+        given without a chain is applied first."""
+        chain = [_post_op(p) for p in post_ops]
+        if bias is not None and not any(p["kind"] == "bias" for p in chain):
+            chain.insert(0, {"kind": "bias"})
+        if any(p["kind"] == "bias" for p in chain) and bias is None:
+            raise ArgumentError("conv2d: a 'bias' post-op needs the bias tensor")
+        if any(p["kind"] == "sum" for p in chain) and sum is None:
+            raise ArgumentError("conv2d: a 'sum' post-op needs the tensor to add (sum=...)")
+        inputs = [x, weights] + ([bias] if bias is not None else []) + \
+            ([sum] if sum is not None else [])
+        attrs = {"stride": _pair(stride), "pad": _pair(pad), "dilation": _pair(dilation),
+                 "groups": int(groups), "post_ops": chain, "bias": bias is not None,
+                 "sum": sum is not None}
+        return self.add_op("conv2d", inputs, attrs, name, _outs(out))
+
+    def custom(self, fn, inputs, outputs, name=None, output_names=None):
+        """An op blockpad has no kernel for: ``fn(*arrays)`` on plain numpy arrays returns one
+        array per ``outputs`` entry (``(shape, dtype)``)."""
+        outs = [(tuple(s), dtype_name(d)) for s, d in outputs]
+        return self.add_op("custom", inputs, {"fn": fn, "outputs": outs}, name,
+                           outputs=output_names)
+
+    def output(self, *tensors) -> None:
+        """Results the caller reads (by variable name)."""
+        for t in tensors:
+            name = self._var(t)
+            if name not in self.outputs:
+                self.outputs.append(name)
+        self._changed()
+
+    @classmethod
+    def from_ops(cls, ops, inputs=None, constants=None, outputs=(), **options) -> Graph:
+        """A graph from a list of op tables (a framework's program), e.g.::
+
+            [{"op": "eltwise", "inputs": ["x"], "outputs": ["a"], "algorithm": "relu"},
+             {"op": "binary", "inputs": ["a", "y"], "outputs": ["b"], "algorithm": "add"}]
+
+        ``inputs``: {name: (shape, dtype) or shape}; ``constants``: {name: array}. Variable
+        names may be written again by later ops (memory reuse), as frameworks' programs do."""
+        g = cls(**options)
+        for name, t in (inputs or {}).items():
+            shape, dtype = (t, "float32") if isinstance(t[0], (int, np.integer)) else t
+            g.input(name, shape, dtype)
+        for name, a in (constants or {}).items():
+            g.constant(name, a)
+        for i, entry in enumerate(ops):
+            entry = dict(entry)
+            op = entry.pop("op")
+            ins = entry.pop("inputs")
+            outs = entry.pop("outputs", None) or [entry.pop("output")]
+            name = entry.pop("name", None) or f"{op}_{i}"
+            if op == "custom":
+                g.custom(entry["fn"], ins, entry["shapes"], name=name, output_names=outs)
+                continue
+            method = {"eltwise": g.eltwise, "binary": g.binary, "softmax": g.softmax,
+                      "conv2d": g.conv2d}.get(op)
+            if method is None:
+                raise ArgumentError(f"op #{i}: expected eltwise, binary, softmax, conv2d or "
+                                    f"custom; got {op!r}")
+            method(*ins, name=name, out=outs[0], **entry)
+        g.output(*outputs)
+        return g
+
+    # ---- planning -----------------------------------------------------------------------------
+    def conv_blocks(self, c_in, c_out, groups):
+        """Channel blocks to try for a convolution, preferred first."""
+        if self.layouts == "plain":
+            return []
+        if groups != 1:
+            return []          # grouped/depthwise: plain layouts (see graph_ops.Conv2d)
+        if self.block:
+            return [self.block]
+        return [16, 8] if max(c_in, c_out) > 8 else [8, 16]
+
+    def weight_tag(self, block, groups):
+        return f"OIhw{block}i{block}o"
+
+    def plan(self, **inputs) -> Plan:
+        """The plan for inputs like these (arrays, Memories or Layouts): the passes' result."""
+        return self._plan_for(self._input_layouts(inputs))
+
+    def _input_layouts(self, given) -> tuple:
+        missing = [n for n in self.inputs if n not in given]
+        extra = [n for n in given if n not in self.inputs]
+        if missing or extra:
+            raise ArgumentError(f"{self.name}: inputs are {', '.join(self.inputs) or 'none'}; "
+                                f"missing {missing}, unknown {extra}")
+        out = []
+        for name, (shape, dtype) in self.inputs.items():
+            v = given[name]
+            if isinstance(v, Layout):
+                lay = v
+            elif isinstance(v, Memory):
+                lay = v.layout
+            else:
+                arr = v if hasattr(v, "dtype") and hasattr(v, "shape") else np.asarray(v)
+                lay = plain(tuple(arr.shape), dtype_name(arr.dtype))
+            if lay.shape != shape or lay.dtype != dtype:
+                raise ArgumentError(f"{self.name}: input {name!r} is {list(shape)} {dtype}; got "
+                                    f"{list(lay.shape)} {lay.dtype}")
+            out.append(lay)
+        return tuple(out)
+
+    def _plan_for(self, layouts) -> Plan:
+        with self._lock:
+            plan = self._plans.get(layouts)
+            if plan is None:
+                if not self.outputs:
+                    raise ArgumentError(f"{self.name}: no outputs; call graph.output(...)")
+                plan = self._plans[layouts] = Plan(self, dict(zip(self.inputs, layouts)))
+            return plan
+
+    # ---- running ------------------------------------------------------------------------------
+    def run(self, inputs=None, **kw) -> Results:
+        """Run on ``inputs`` ({name: numpy array or Memory}, or keywords); return the results,
+        each held in its producer's layout until read."""
+        given = dict(inputs or {}, **kw)
+        before_cache = self.cache.stats()
+        plan = self._plan_for(self._input_layouts(given))
+        return plan.run(given, before_cache)
+
+    def __call__(self, inputs=None, **kw):
+        """Run and return the results as numpy arrays (one array for one output)."""
+        res = self.run(inputs, **kw).numpy()
+        return next(iter(res.values())) if len(res) == 1 else res
+
+    def _prepare_weight(self, cname, layout, report) -> Memory:
+        """The constant ``cname`` in ``layout``, reordered once (and again after a change)."""
+        key = (cname, layout)
+        with self._lock:
+            mem = self._weights.get(key)
+            if mem is not None:
+                return mem
+            src = self.constants[cname]
+            mem = Memory(layout, aligned_empty(layout.alloc_len, numpy_dtype(layout.dtype)),
+                         library=_Runtime(self.policy, self.cache))
+            self._weights[key] = mem
+            self._reorder_weight(cname, mem, report)
+            return mem
+
+    def _reorder_weight(self, cname, mem, report):
+        src = self.constants[cname]
+        lay = mem.layout   # the same bytes seen with the plain tag of its letters: oihw, goihw
+        src_mem = Memory(Layout(lay.dims, lay.shape, lay.dtype),
+                         np.ascontiguousarray(src).reshape(-1))
+        _reorder(self.cache, src_mem, mem)
+        if report is not None:
+            report.weight_reorders += 1
+        self._weight_sums[cname] = _checksum(src)
+
+    def _refresh_weights(self, report) -> None:
+        """Re-reorder prepared weights whose constant changed (checked, or set_constant)."""
+        with self._lock:
+            stale = set(self._stale)
+            if self.weights == "check":
+                for cname, src in self.constants.items():
+                    if cname in self._weight_sums and _checksum(src) != self._weight_sums[cname]:
+                        stale.add(cname)
+            for (cname, _lay), mem in self._weights.items():
+                if cname in stale:
+                    self._reorder_weight(cname, mem, report)
+            self._stale.clear()
+
+    def __repr__(self):
+        return (f"<blockpad Graph {self.name}: {len(self.nodes)} ops, inputs "
+                f"{list(self.inputs)}, outputs {self.outputs}, policy {self.policy}>")
+
+
+def _checksum(array) -> int:
+    a = np.ascontiguousarray(array)
+    return zlib.adler32(a.view(np.uint8).reshape(-1)) if a.size else 0
+
+
+def _outs(out):
+    return None if out is None else [out if isinstance(out, str) else out.name]
+
+
+def _pair(v):
+    if isinstance(v, (int, np.integer)):
+        return (int(v), int(v))
+    v = tuple(int(x) for x in v)
+    if len(v) != 2:
+        raise ArgumentError(f"expected an int or a pair; got {v}")
+    return v
+
+
+def _post_op(p):
+    if isinstance(p, str):
+        if p in ("bias", "sum"):
+            return {"kind": p} if p == "bias" else {"kind": "sum", "scale": 1.0}
+        if p in ELTWISE:
+            return {"kind": "eltwise", "algorithm": p, "alpha": 0.0, "beta": 0.0}
+        raise ArgumentError(f"post-op {p!r}: expected bias, sum or an eltwise algorithm")
+    p = dict(p)
+    if p.get("kind") == "eltwise":
+        p = {"algorithm": "relu", "alpha": 0.0, "beta": 0.0, **p}
+        p["alpha"], p["beta"] = float(p["alpha"]), float(p["beta"])
+    elif p.get("kind") == "sum":
+        p = {"scale": 1.0, **p}
+        p["scale"] = float(p["scale"])
+    elif p.get("kind") != "bias":
+        raise ArgumentError(f"post-op {p!r}: kind must be bias, eltwise or sum")
+    return p
+
+
+# ---- planning ---------------------------------------------------------------------------------
+
+class _Runtime:
+    """What the graph's memories see as their library: the policy, and zero-pad kernels from
+    the cache (``padding.zero_pad`` asks it for one)."""
+
+    def __init__(self, policy, cache):
+        self.policy = policy
+        self._cache = cache
+        self._zero_pads = {}
+
+    def zero_pad_kernel(self, layout):
+        if layout not in self._zero_pads:
+            self._zero_pads[layout] = self._cache.zero_pad_kernel(layout)
+        return self._zero_pads[layout]
+
+
+class _Storage:
+    __slots__ = ("id", "nbytes", "kind", "first", "last", "slot", "bufs", "value")
+
+    def __init__(self, sid, kind):
+        self.id, self.kind = sid, kind     # kind: input, constant, weight, arena, output
+        self.nbytes = 0
+        self.first = self.last = None
+        self.slot = None
+        self.bufs = []
+        self.value = None                  # input / constant name
+
+
+class _Buf:
+    """A value in one layout, held by a storage (in-place values and plain aliases share one)."""
+
+    __slots__ = ("id", "storage", "layout")
+
+    def __init__(self, bid, storage, layout):
+        self.id, self.storage, self.layout = bid, storage, layout
+        storage.bufs.append(self)
+        storage.nbytes = max(storage.nbytes, layout.nbytes)
+
+
+class _Value:
+    __slots__ = ("name", "shape", "dtype", "versions", "home", "kind")
+
+    def __init__(self, name, shape, dtype, kind):
+        self.name, self.shape, self.dtype, self.kind = name, tuple(shape), dtype, kind
+        self.versions = {}
+        self.home = None
+
+
+@dataclass
+class _Step:
+    kind: str                  # kernel, numpy, reorder, bind
+    label: str
+    reads: list
+    writes: list
+    kernel: object = None
+    args: list = None          # bufs in kernel argument order
+    node: Node | None = None
+    inplace: bool = False
+
+
+class Plan:
+    """The passes' result for one set of input layouts, and the arenas that run it."""
+
+    def __init__(self, graph: Graph, input_layouts: dict):
+        self.graph = graph
+        self.policy = graph.policy
+        self.runtime = _Runtime(graph.policy, graph.cache)
+        self._storages, self._bufs = [], []
+        self.steps: list[_Step] = []
+        self.fallbacks: dict = {}
+        self.inplace_refused: list = []
+        self.weight_bufs: list = []       # (constant name, buf) prepared once
+        self._pool: list = []
+        self._pool_lock = threading.Lock()
+        self._build(input_layouts)
+        self._plan_memory()
+
+    # -- construction --
+    def _storage(self, kind):
+        s = _Storage(len(self._storages), kind)
+        self._storages.append(s)
+        return s
+
+    def _buf(self, storage, layout):
+        b = _Buf(len(self._bufs), storage, layout)
+        self._bufs.append(b)
+        return b
+
+    def _build(self, input_layouts):
+        g = self.graph
+        env = {}
+        for name, lay in input_layouts.items():
+            v = env[name] = _Value(name, lay.shape, lay.dtype, "input")
+            s = self._storage("input")
+            s.value = name
+            v.home = v.versions[lay] = self._buf(s, lay)
+        for name, a in g.constants.items():
+            v = env[name] = _Value(name, a.shape, dtype_name(a.dtype), "constant")
+            s = self._storage("constant")
+            s.value = name
+            lay = plain(a.shape, v.dtype)
+            v.home = v.versions[lay] = self._buf(s, lay)
+
+        # the in-place pass needs each variable's shape at each op: track through the program
+        env_types = {n: (tuple(v.shape), v.dtype) for n, v in env.items()}
+        node_types = {}
+        for n in g.nodes:
+            ins = [env_types[v] for v in n.inputs]
+            node_types[n.name] = ins
+            for o, t in zip(n.outputs, OPS[n.op].infer(n, ins)):
+                env_types[o] = (tuple(t[0]), dtype_name(t[1]))
+
+        def capable(node):
+            info = OPS[node.op]
+            return info.inplace_inputs(node, node_types[node.name]) if info.inplace_capable else []
+
+        protected = set(g.inputs) | set(g.constants) | set(g.outputs)
+        nodes = g.nodes
+        self.fused = []
+        if g.fuse and g.layouts == "blocked":
+            nodes, self.fused = fuse_post_ops(
+                nodes, protected, lambda n: len({t[0] for t in node_types[n.name]}) == 1,
+                kinds=g.fuse)
+        if g.inplace:
+            self.inplace_result = inplace_pass(nodes, capable, protected)
+        else:
+            import copy
+
+            self.inplace_result = InplaceResult(copy.deepcopy(nodes), [], [], [])
+        for node in self.inplace_result.nodes:
+            if node.op == "binary" and node.inplace == 1:   # commutative: the overwritten
+                node.inputs.reverse()                        # operand becomes the kernel's src0
+                node.inplace = 0
+        defs = {name: env[name] for name in env}
+        for node in self.inplace_result.nodes:
+            self._place(node, env, defs)
+        self.outputs = {}
+        for name in g.outputs:
+            v = defs[name]
+            if v.home.storage.kind == "arena":
+                v.home.storage.kind = "output"
+            self.outputs[name] = v.home
+            lay = v.home.layout
+            if not lay.is_plain:   # the reorder a read will need: ready (and cached) now
+                g.cache.find(Request.make("reorder", [("src", lay),
+                                                      ("dst", plain(lay.shape, lay.dtype))]))
+
+    def _place(self, node, env, defs):
+        """Layout propagation and kernel choice for one op, with its reorders before it."""
+        g = self.graph
+        info = OPS[node.op]
+        ins = [env[v] for v in node.inputs]
+        types = [(v.shape, v.dtype) for v in ins]
+        out_types = info.infer(node, types)
+        homes = [v.home.layout for v in ins]
+        choices = info.choices(node, types, homes, g)
+        if g.layouts == "plain":
+            choices = [c for c in choices if all(l.is_plain for l in c.inputs + c.outputs)] \
+                or choices[-1:]
+        inplace = node.inplace is not None
+        picked = kernel = None
+        for choice in choices:
+            if choice.request is None:
+                picked = choice
+                break
+            kernel = g.cache.find(choice.request(inplace)) if inplace else None
+            if kernel is None and inplace:
+                kernel = g.cache.find(choice.request(False))
+                if kernel is not None:
+                    self.inplace_refused.append((node.name, "no in-place kernel for " +
+                                                 choice.label))
+                    inplace = False
+            elif kernel is None:
+                kernel = g.cache.find(choice.request(False))
+            if kernel is not None:
+                picked = choice
+                break
+        if picked is None:             # no kernel in any layout: the numpy reference
+            picked = choices[-1]
+            self.fallbacks[node.name] = "numpy"
+        elif picked is not choices[0] and picked.request is not None:
+            self.fallbacks[node.name] = picked.label
+        in_bufs = [self._version(v, lay) for v, lay in zip(ins, picked.inputs)]
+        out_bufs = []
+        for j, (oname, (shape, dtype)) in enumerate(zip(node.outputs, out_types)):
+            lay = picked.outputs[j]
+            if inplace and j == 0 and in_bufs[node.inplace].layout == lay:
+                buf = in_bufs[node.inplace]
+            else:
+                if inplace and j == 0:
+                    inplace = False
+                    self.inplace_refused.append((node.name, "layouts differ"))
+                buf = self._buf(self._storage("arena"), lay)
+            v = _Value(node.orig_outputs[j], shape, dtype_name(dtype), "value")
+            v.home = v.versions[lay] = buf
+            env[oname] = v
+            defs[node.orig_outputs[j]] = v
+            out_bufs.append(buf)
+        if kernel is not None:
+            args = [in_bufs[i] if kind == "in" else out_bufs[i] for kind, i in picked.args]
+            if inplace:
+                args = [b for b, (kind, _i) in zip(args, picked.args) if kind == "in"]
+            self.steps.append(_Step("kernel", node.name, in_bufs, out_bufs, kernel, args, node,
+                                    inplace))
+        else:
+            self.steps.append(_Step("numpy", node.name, in_bufs, out_bufs, None, None, node,
+                                    inplace))
+
+    def _version(self, v: _Value, layout: Layout) -> _Buf:
+        """``v`` in ``layout``: an existing version, a plain alias, or a new reorder."""
+        buf = v.versions.get(layout)
+        if buf is not None:
+            return buf
+        home = v.home
+        if layout.is_plain and home.layout.is_plain and layout.dtype == home.layout.dtype and \
+                math.prod(layout.shape) == math.prod(home.layout.shape):
+            buf = v.versions[layout] = self._buf(home.storage, layout)   # same bytes
+            return buf
+        if v.kind == "constant":
+            s = self._storage("weight")
+            s.value = v.name
+            buf = v.versions[layout] = self._buf(s, layout)
+            self.weight_bufs.append((v.name, buf))
+            return buf
+        src = next((b for lay, b in v.versions.items() if lay == home.layout), home)
+        buf = v.versions[layout] = self._buf(self._storage("arena"), layout)
+        req = Request.make("reorder", [("src", src.layout), ("dst", layout)])
+        kernel = self.graph.cache.find(req)
+        self.steps.append(_Step("reorder", f"reorder {v.name} {src.layout.tag}->{layout.tag}",
+                                [src], [buf], kernel, [src, buf] if kernel else None))
+        return buf
+
+    # -- memory --
+    def _plan_memory(self):
+        """Liveness over the steps; arena slots reused once a storage's last reader ran; the
+        peak of live bytes; ``bind`` steps where a storage is first written."""
+        steps = []
+        for i, st in enumerate(self.steps):
+            for b in st.reads:
+                b.storage.last = i
+            for b in st.writes:
+                s = b.storage
+                if s.first is None:
+                    s.first = i
+                s.last = max(s.last if s.last is not None else i, i)
+        for s in self._storages:
+            if s.kind == "output":
+                s.last = len(self.steps)
+        free, slots = [], []
+        live = peak = 0
+        bind_at = {}
+        for i, st in enumerate(self.steps):
+            for b in st.writes:
+                s = b.storage
+                if s.first == i and s.kind in ("arena", "output"):
+                    live += s.nbytes
+                    if s.kind == "arena":
+                        fit = [k for k in free if slots[k] >= s.nbytes]
+                        if fit:
+                            k = min(fit, key=lambda k: slots[k])
+                            free.remove(k)
+                        else:
+                            k = len(slots)
+                            slots.append(s.nbytes)
+                        s.slot = k
+                    bind_at.setdefault(i, []).append(s)
+            peak = max(peak, live)
+            for s in {b.storage for b in st.reads + st.writes}:
+                if s.kind == "arena" and s.last == i:
+                    live -= s.nbytes
+                    free.append(s.slot)
+            steps.append(st)
+        self.slots = slots
+        self.peak_bytes = peak
+        self.arena_bytes = sum(slots)
+        self.bind_at = bind_at
+
+    # -- execution --
+    def _acquire(self):
+        with self._pool_lock:
+            if self._pool:
+                return self._pool.pop()
+        return _Execution(self)
+
+    def _release(self, exe):
+        with self._pool_lock:
+            self._pool.append(exe)
+
+    def run(self, given, before_cache) -> Results:
+        g = self.graph
+        report = Report(self.policy)
+        start = time.perf_counter()
+        zp0 = counters.snapshot()
+        g._refresh_weights(report)
+        weights = {}
+        for cname, buf in self.weight_bufs:
+            weights[buf.id] = g._prepare_weight(cname, buf.layout, report)
+        exe = self._acquire()
+        try:
+            outs = exe.run(given, weights, report)
+        finally:
+            self._release(exe)
+        zp = counters.snapshot()
+        report.zero_pad_calls = zp.calls - zp0.calls
+        report.zero_pad_bytes = zp.bytes - zp0.bytes
+        report.zero_pad_blocking = zp.blocking_calls - zp0.blocking_calls
+        report.seconds = time.perf_counter() - start
+        report.ops = len(g.nodes)
+        report.inplace = [s.label for s in self.steps if s.inplace]
+        report.fused = [f"{a} + {b}" for a, b in self.fused]
+        report.fallbacks = dict(self.fallbacks)
+        report.peak_bytes = self.peak_bytes
+        report.arena_bytes = self.arena_bytes
+        report.weight_bytes = sum(b.layout.nbytes for _, b in self.weight_bufs)
+        report.cache = (g.cache.stats() - before_cache).as_dict()
+        lock = threading.Lock()
+        return Results({n: Result(n, m, self, report, lock) for n, m in outs.items()}, report)
+
+    def to_plain(self, mem: Memory, report: Report) -> np.ndarray:
+        lay = mem.layout
+        if lay.is_plain:
+            return mem.buffer[:lay.alloc_len].reshape(lay.shape)
+        dst = Memory(plain(lay.shape, lay.dtype),
+                     aligned_empty(int(np.prod(lay.shape)), numpy_dtype(lay.dtype)))
+        _reorder(self.graph.cache, mem, dst)
+        report.output_reorders += 1
+        return dst.buffer.reshape(lay.shape)
+
+    def describe(self) -> str:
+        """The steps, one a line: what runs, in which layouts, in place or not."""
+        lines = []
+        for st in self.steps:
+            lays = ", ".join(str(b.layout.tag) for b in st.reads)
+            outs = ", ".join(str(b.layout.tag) for b in st.writes)
+            how = "kernel" if st.kernel is not None else "numpy"
+            tag = " [in place]" if st.inplace else ""
+            lines.append(f"{st.label:40} {lays} -> {outs} ({how}){tag}")
+        return "\n".join(lines)
+
+
+def _reorder(cache, src: Memory, dst: Memory) -> None:
+    """dst = src relaid out, with the cache's reorder kernel (numpy if it has none)."""
+    kernel = cache.find(Request.make("reorder", [("src", src.layout), ("dst", dst.layout)]))
+    if kernel is not None:
+        kernel(src, dst)
+        return
+    dst.buffer[dst.layout.logical_offsets()] = src.to_numpy()
+    if dst.layout.has_padding:
+        dst.buffer[dst.layout.padding_offsets()] = 0
+    dst.state = CLEAN
+
+
+class _Execution:
+    """One arena of a plan: buffers and memories bound to the kernels, reused run after run
+    (one per concurrent run)."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        rt = plan.runtime
+        self.slots = [aligned_empty(n, np.uint8) for n in plan.slots]
+        self.mems = {}
+        for b in plan._bufs:
+            s = b.storage
+            dt = numpy_dtype(b.layout.dtype)
+            if s.kind == "arena":
+                raw = self.slots[s.slot]
+                buf = raw[:b.layout.nbytes].view(dt)
+            else:   # input / constant / weight / output: given per run; a placeholder now
+                buf = np.zeros(b.layout.alloc_len, dt)
+            self.mems[b.id] = Memory(b.layout, buf, library=rt)
+        # values sharing a storage (in place) share one Memory, so their state is one state
+        first = {}
+        for b in plan._bufs:
+            key = (b.storage.id, b.layout)
+            if key in first:
+                self.mems[b.id] = self.mems[first[key]]
+            else:
+                first[key] = b.id
+        self.calls = []
+        self._bound = False
+
+    def _bind(self, weights):
+        plan = self.plan
+        calls = []
+        for i, st in enumerate(plan.steps):
+            for s in plan.bind_at.get(i, ()):
+                if s.kind in ("arena", "output"):
+                    for b in s.bufs:
+                        if b.layout.has_padding:
+                            calls.append(self._binder(self.mems[b.id]))
+            if st.kernel is not None:
+                calls.append(st.kernel.bind(*(self.mems[b.id] for b in st.args)))
+            elif st.kind == "reorder":
+                calls.append(self._np_reorder(self.mems[st.reads[0].id],
+                                              self.mems[st.writes[0].id]))
+            else:
+                calls.append(self._numpy(st))
+        self.calls = calls
+        self._bound = True
+
+    @staticmethod
+    def _binder(mem):
+        def bind():
+            mem.set_data_handle(mem.buffer)   # the policy's work at "memory creation"
+        return bind
+
+    @staticmethod
+    def _np_reorder(src, dst):
+        def run():
+            dst.buffer[dst.layout.logical_offsets()] = src.to_numpy()
+            if dst.layout.has_padding:
+                dst.buffer[dst.layout.padding_offsets()] = 0
+            dst.state = CLEAN
+        return run
+
+    def _numpy(self, st):
+        info = OPS[st.node.op]
+        ins = [self.mems[b.id] for b in st.reads]
+        outs = [self.mems[b.id] for b in st.writes]
+
+        def run():
+            arrays = [_plain_view(m) for m in ins]
+            results = info.reference(st.node, arrays)
+            if len(results) != len(outs):
+                raise ArgumentError(f"{st.label}: returned {len(results)} arrays; expected "
+                                    f"{len(outs)}")
+            for m, r in zip(outs, results):
+                r = np.asarray(r)
+                if r.shape != m.layout.shape:
+                    raise ArgumentError(f"{st.label}: returned shape {r.shape}; expected "
+                                        f"{m.layout.shape}")
+                _plain_view(m)[...] = r
+                m.state = CLEAN
+        return run
+
+    def run(self, given, weights, report):
+        plan = self.plan
+        for b in plan._bufs:
+            s = b.storage
+            mem = self.mems[b.id]
+            if s.kind == "input":
+                value = given[s.value]
+                mem.buffer, mem.state = _input_buffer(value, b.layout)
+                if mem.state != CLEAN and plan.policy not in ("tracked", "src"):
+                    # the caller's memory has padding of unknown content: the policy's kernels
+                    # trust it clean, so zero it now (a read-only buffer is copied, not written)
+                    zero_pad(mem, blocking=True)
+                    if isinstance(value, Memory) and mem.buffer is value.buffer:
+                        value.state = CLEAN
+            elif s.kind == "constant":
+                arr = plan.graph.constants[s.value]
+                mem.buffer, mem.state = np.ascontiguousarray(arr).reshape(-1), CLEAN
+            elif s.kind == "weight":
+                w = weights[b.id]
+                mem.buffer, mem.state = w.buffer, w.state
+            elif s.kind == "output":
+                if b is s.bufs[0]:
+                    fresh = aligned_empty(s.nbytes, np.uint8)
+                mem.buffer = fresh[:b.layout.nbytes].view(numpy_dtype(b.layout.dtype))
+        if not self._bound:
+            self._bind(weights)
+        for call in self.calls:
+            call()
+        report.kernels = sum(1 for s in plan.steps if s.kernel is not None)
+        report.reorders = sum(1 for s in plan.steps if s.kind == "reorder")
+        outs = {}
+        for name, b in plan.outputs.items():
+            mem = self.mems[b.id]
+            # the caller gets its own Memory: the arena's is rebound to a fresh buffer next run
+            outs[name] = Memory(mem.layout, mem.buffer, mem.state, library=plan.runtime)
+        return outs
+
+
+def _input_buffer(value, layout):
+    if isinstance(value, Memory):
+        value.wait()
+        return value.buffer, value.state
+    arr = np.asarray(value)
+    if arr.dtype != numpy_dtype(layout.dtype):
+        raise ArgumentError(f"input: expected dtype {layout.dtype}; got {arr.dtype}")
+    if not arr.flags.c_contiguous or arr.ctypes.data % arr.itemsize:
+        arr = np.ascontiguousarray(arr).copy()
+    return arr.reshape(-1), CLEAN
+
+
+def _plain_view(mem: Memory) -> np.ndarray:
+    lay = mem.layout
+    return mem.buffer[:lay.alloc_len].reshape(lay.shape)

@@ -1,0 +1,378 @@
+"""What the graph runtime knows of each op: shapes, which layouts to ask for, the kernel request
+for a layout choice, whether and over which input it can run in place, and a numpy reference the
+graph falls back on when no kernel can be had (seed 004's FallBackCompute).
+
+The runtime does not import the code generator, so this is the runtime's own view of the ops:
+the spec fields it asks for are those of ``codegen/ops`` (checked when a kernel is built).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from blockpad.errors import ArgumentError
+from blockpad.layout import Layout
+
+from .cache import Request
+
+_PLAIN_ACT = {1: "a", 2: "ab", 3: "abc", 4: "nchw", 5: "ncdhw", 6: "abcdef"}
+_PLAIN_WEIGHTS = {4: "oihw", 5: "goihw"}
+
+
+def plain(shape, dtype, weights=False) -> Layout:
+    """The layout a numpy array of ``shape`` already is (weights get the oihw letters that
+    weight layouts share)."""
+    return _plain(tuple(int(s) for s in shape), str(dtype), bool(weights))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain(shape, dtype, weights):
+    table = _PLAIN_WEIGHTS if weights and len(shape) in _PLAIN_WEIGHTS else _PLAIN_ACT
+    return Layout(table[len(shape)], shape, dtype)
+
+
+def blocked(shape, dtype, block) -> Layout | None:
+    """``nChw<block>c`` (``nCdhw``...) for an activation of rank 4 or 5, else None."""
+    if len(shape) == 4:
+        return Layout(f"nChw{block}c", tuple(shape), dtype)
+    if len(shape) == 5:
+        return Layout(f"nCdhw{block}c", tuple(shape), dtype)
+    return None
+
+
+@dataclass
+class Choice:
+    """One way to run a node: a layout per input and per output, ``request(inplace)`` giving
+    the kernel request (None: the numpy reference), and the kernel's arguments as ('in', i) /
+    ('out', j) in call order."""
+
+    inputs: list
+    outputs: list
+    request: object
+    args: list
+    label: str = "blocked"
+
+
+class OpInfo:
+    name = "op"
+    inplace_capable = False
+
+    def infer(self, node, types):
+        """[(shape, dtype)] of the outputs, from the inputs' (shape, dtype)."""
+        raise NotImplementedError
+
+    def inplace_inputs(self, node, types) -> list:
+        """Indices of inputs the node may overwrite with its output (seed 003's in-place ops)."""
+        return []
+
+    def choices(self, node, types, homes, graph) -> list:
+        """Layout choices in order of preference: the runtime takes the first whose kernel it
+        can get. The last is always all-plain."""
+        raise NotImplementedError
+
+    def reference(self, node, arrays):
+        raise NotImplementedError
+
+
+def _same_as_input(index=0):
+    def infer(node, types):
+        return [types[index]]
+    return infer
+
+
+# ---- eltwise ----------------------------------------------------------------------------------
+
+def _erf(x):
+    return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64)
+
+
+ELTWISE = {
+    "relu": lambda x, a, b: np.where(x > 0, x, x * a),
+    "gelu_erf": lambda x, a, b: 0.5 * x * (1 + _erf(x / np.sqrt(2))),
+    "gelu_tanh": lambda x, a, b: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) *
+                                                        (x + 0.044715 * x ** 3))),
+    "sigmoid": lambda x, a, b: 1 / (1 + np.exp(-x)),
+    "exp": lambda x, a, b: np.exp(x),
+    "tanh": lambda x, a, b: np.tanh(x),
+    "clip": lambda x, a, b: np.clip(x, a, b),
+    "linear": lambda x, a, b: a * x + b,
+}
+
+
+def eltwise_ref(x, algorithm="relu", alpha=0.0, beta=0.0):
+    if algorithm not in ELTWISE:
+        raise ArgumentError(f"eltwise algorithm: expected one of {', '.join(ELTWISE)}; "
+                            f"got {algorithm!r}")
+    return ELTWISE[algorithm](x.astype(np.float64), alpha, beta)
+
+
+class Eltwise(OpInfo):
+    name = "eltwise"
+    inplace_capable = True
+
+    def infer(self, node, types):
+        return [types[0]]
+
+    def inplace_inputs(self, node, types):
+        return [0]
+
+    def _params(self, node):
+        a = node.attrs
+        return {"algorithm": a["algorithm"], "alpha": float(a["alpha"]), "beta": float(a["beta"])}
+
+    def choices(self, node, types, homes, graph):
+        out = []
+        for lay in _follow(homes[0]):
+            req = lambda inplace, lay=lay: Request.make(   # noqa: E731
+                "eltwise", [("src", lay), ("dst", lay)],
+                {**self._params(node), **({"inplace": True} if inplace else {})}, graph.policy)
+            out.append(Choice([lay], [lay], req, [("in", 0), ("out", 0)],
+                              "plain" if lay.is_plain else "blocked"))
+        return out
+
+    def reference(self, node, arrays):
+        return [eltwise_ref(arrays[0], **self._params(node))]
+
+
+def _follow(home: Layout):
+    """Ops that follow their input's layout: that layout, then plain."""
+    p = plain(home.shape, home.dtype)
+    return [home, p] if home != p else [p]
+
+
+# ---- binary -----------------------------------------------------------------------------------
+
+class Binary(OpInfo):
+    name = "binary"
+    inplace_capable = True
+
+    def infer(self, node, types):
+        (s0, d0), (s1, d1) = types
+        if d0 != d1:
+            raise ArgumentError(f"{node.name}: binary inputs must share a dtype; got {d0} and {d1}")
+        if len(s0) != len(s1) or any(a != b and 1 not in (a, b) for a, b in zip(s0, s1)):
+            raise ArgumentError(f"{node.name}: shapes {s0} and {s1} do not broadcast (same rank, "
+                                f"each dim equal or 1)")
+        return [(tuple(max(a, b) for a, b in zip(s0, s1)), d0)]
+
+    def inplace_inputs(self, node, types):
+        """The kernel overwrites src0; add and mul commute, so an src1 of the result's shape
+        may be overwritten too (the graph swaps the operands)."""
+        out = self.infer(node, types)[0][0]
+        return [i for i in (0, 1) if tuple(types[i][0]) == tuple(out)]
+
+    def choices(self, node, types, homes, graph):
+        (s0, dt), (s1, _) = types
+        out_shape = self.infer(node, types)[0][0]
+        if tuple(s1) == tuple(s0) == out_shape:
+            lead = next((h for h in homes if not h.is_plain), homes[0])
+            lay = Layout(lead.tag, s0, dt) if lead.shape == s0 else plain(s0, dt)
+            picks = [(lay, lay, lay)] + ([] if lay.is_plain else [(plain(s0, dt),) * 3])
+        else:
+            lay0 = homes[0] if tuple(s0) == out_shape else plain(s0, dt)
+            picks = [(l0, plain(s1, dt), l0 if tuple(s0) == out_shape else plain(out_shape, dt))
+                     for l0 in _follow(lay0)]
+        out = []
+        for l0, l1, ld in picks:
+            def req(inplace, l0=l0, l1=l1, ld=ld):
+                params = {"algorithm": node.attrs["algorithm"]}
+                if inplace:
+                    params["inplace"] = True
+                return Request.make("binary", [("src0", l0), ("src1", l1), ("dst", ld)],
+                                    params, graph.policy, shape=s0, implied={"shape1": list(s1)})
+            out.append(Choice([l0, l1], [ld], req, [("in", 0), ("in", 1), ("out", 0)],
+                              "plain" if l0.is_plain else "blocked"))
+        return out
+
+    def reference(self, node, arrays):
+        a, b = (x.astype(np.float64) for x in arrays)
+        return [a + b if node.attrs["algorithm"] == "add" else a * b]
+
+
+# ---- softmax ----------------------------------------------------------------------------------
+
+def softmax_ref(x, axis=1, log=False):
+    x = x.astype(np.float64)
+    e = x - x.max(axis=axis, keepdims=True)
+    if log:
+        return e - np.log(np.exp(e).sum(axis=axis, keepdims=True))
+    e = np.exp(e)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+class Softmax(OpInfo):
+    name = "softmax"
+    inplace_capable = True
+
+    def infer(self, node, types):
+        return [types[0]]
+
+    def inplace_inputs(self, node, types):
+        return [0]
+
+    def choices(self, node, types, homes, graph):
+        out = []
+        for lay in _follow(homes[0]):
+            def req(inplace, lay=lay):
+                params = {"axis": node.attrs["axis"], "log": bool(node.attrs.get("log"))}
+                if inplace:
+                    params["inplace"] = True
+                return Request.make("softmax", [("src", lay), ("dst", lay)], params, graph.policy)
+            out.append(Choice([lay], [lay], req, [("in", 0), ("out", 0)],
+                              "plain" if lay.is_plain else "blocked"))
+        return out
+
+    def reference(self, node, arrays):
+        return [softmax_ref(arrays[0], node.attrs["axis"], node.attrs.get("log", False))]
+
+
+# ---- convolution ------------------------------------------------------------------------------
+
+def conv_out_shape(src, channels, kernel, stride, pad, dilation):
+    n, _, h, w = src
+    return (n, channels) + tuple((x + 2 * p - d * (r - 1) - 1) // s + 1 for x, p, d, r, s in
+                                 zip((h, w), pad, dilation, kernel, stride))
+
+
+def conv_ref(x, w, bias=None, stride=(1, 1), pad=(0, 0), dilation=(1, 1), groups=1,
+             post_ops=(), sum_input=None):
+    """Direct convolution in float64 (NCHW source, (K, C/groups, KH, KW) weights), then the
+    post-op chain in order."""
+    x, w = x.astype(np.float64), w.astype(np.float64)
+    k, cg, kh, kw = w.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])))
+    oh = (xp.shape[2] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (xp.shape[3] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    out = np.zeros((x.shape[0], k, oh, ow))
+    kg = k // groups
+    for g in range(groups):
+        xs, ws = xp[:, g * cg:(g + 1) * cg], w[g * kg:(g + 1) * kg]
+        for i in range(kh):
+            for j in range(kw):
+                h0, w0 = i * dilation[0], j * dilation[1]
+                win = xs[:, :, h0:h0 + stride[0] * (oh - 1) + 1:stride[0],
+                         w0:w0 + stride[1] * (ow - 1) + 1:stride[1]]
+                out[:, g * kg:(g + 1) * kg] += np.einsum("nchw,kc->nkhw", win, ws[:, :, i, j])
+    for p in post_ops:
+        if p["kind"] == "bias":
+            out += bias.astype(np.float64).reshape(1, -1, 1, 1)
+        elif p["kind"] == "sum":
+            out += p.get("scale", 1.0) * sum_input.astype(np.float64)
+        else:
+            out = eltwise_ref(out, p.get("algorithm", "relu"), p.get("alpha", 0.0),
+                              p.get("beta", 0.0))
+    return out
+
+
+class Conv2d(OpInfo):
+    """Inputs: src (NCHW), weights ((K, C/groups, KH, KW), PyTorch's convention), then bias
+    ((K,)) and the sum post-op's tensor if the node has them. Blocked: ``nChw<b>c`` source and
+    destination with ``OIhw<b>i<b>o`` weights (depthwise: ``Goihw<b>g``); plain: ``nchw`` with
+    ``oihw`` (``goihw`` when grouped)."""
+
+    name = "conv2d"
+
+    def infer(self, node, types):
+        a = node.attrs
+        (src, dt), (w, wdt) = types[:2]
+        if len(src) != 4 or len(w) != 4:
+            raise ArgumentError(f"{node.name}: conv2d takes an NCHW source and (K, C/groups, KH, "
+                                f"KW) weights; got shapes {src} and {w}")
+        if dt not in ("float32", "float16", "bfloat16", "float64") or wdt != dt:
+            raise ArgumentError(f"{node.name}: graph convolutions are floating point with "
+                                f"weights of the source's dtype; got {dt} and {wdt}")
+        if src[1] != w[1] * a["groups"] or w[0] % a["groups"]:
+            raise ArgumentError(f"{node.name}: source has {src[1]} channels; weights {w} with "
+                                f"groups={a['groups']} take {w[1] * a['groups']}")
+        out = conv_out_shape(src, w[0], w[2:], a["stride"], a["pad"], a["dilation"])
+        if min(out) < 1:
+            raise ArgumentError(f"{node.name}: the kernel does not fit the padded image")
+        k = 2
+        if a["bias"]:
+            if tuple(types[k][0]) != (w[0],):
+                raise ArgumentError(f"{node.name}: bias must be ({w[0]},); got {types[k][0]}")
+            k += 1
+        if a["sum"] and tuple(types[k][0]) != out:
+            raise ArgumentError(f"{node.name}: the sum post-op's tensor must be {out}; got "
+                                f"{types[k][0]}")
+        return [(out, dt)]
+
+    def _request(self, node, types, lays, graph):
+        a = node.attrs
+        (src, dt), (w, _) = types[:2]
+        names = ["src", "weights"] + (["bias"] if a["bias"] else []) + \
+            (["sum"] if a["sum"] else []) + ["dst"]
+        params = {"channels": int(w[0]), "kernel": list(w[2:]), "stride": list(a["stride"]),
+                  "pad": list(a["pad"]), "dilation": list(a["dilation"]),
+                  "groups": int(a["groups"]), "post_ops": [dict(p) for p in a["post_ops"]]}
+        return Request.make("conv2d", list(zip(names, lays)), params, graph.policy, shape=src,
+                            dtype=dt)
+
+    def _weights(self, w, dt, groups, tag=None):
+        if groups == 1:
+            return Layout(tag or "oihw", tuple(w), dt)
+        shape = (groups, w[0] // groups, w[1], w[2], w[3])
+        return Layout(tag or "goihw", shape, dt)
+
+    def choices(self, node, types, homes, graph):
+        a = node.attrs
+        (src, dt), (w, _) = types[:2]
+        groups = a["groups"]
+        out_shape = self.infer(node, types)[0][0]
+        extra = types[2:]
+        args = [("in", i) for i in range(len(types))] + [("out", 0)]
+        depthwise = groups > 1 and groups == src[1] == w[0]
+        out = []
+        for block in graph.conv_blocks(src[1], out_shape[1], groups):
+            if groups == 1:
+                wl = self._weights(w, dt, 1, f"OIhw{block}i{block}o")
+            elif depthwise:
+                wl = self._weights(w, dt, groups, f"Goihw{block}g")
+            else:
+                continue
+            s, d = blocked(src, dt, block), blocked(out_shape, dt, block)
+            lays = [s, wl] + [plain(t[0], t[1]) if len(t[0]) == 1 else d for t in extra] + [d]
+            out.append(Choice(lays[:-1], [d], lambda inplace, lays=lays: self._request(
+                node, types, lays, graph), args, f"nChw{block}c"))
+        lays = [plain(src, dt), self._weights(w, dt, groups)] + \
+            [plain(t[0], t[1]) for t in extra] + [plain(out_shape, dt)]
+        out.append(Choice(lays[:-1], [lays[-1]], lambda inplace, lays=lays: self._request(
+            node, types, lays, graph), args, "plain"))
+        return out
+
+    def reference(self, node, arrays):
+        a = node.attrs
+        x, w, *rest = arrays
+        w = w.reshape(w.shape[0] if w.ndim == 4 else w.shape[0] * w.shape[1], *w.shape[-3:])
+        bias = rest.pop(0) if a["bias"] else None
+        summ = rest.pop(0) if a["sum"] else None
+        return [conv_ref(x, w, bias, a["stride"], a["pad"], a["dilation"], a["groups"],
+                         a["post_ops"], summ)]
+
+
+# ---- custom numpy ops -------------------------------------------------------------------------
+
+class Custom(OpInfo):
+    """A Python function on plain numpy arrays (an op blockpad has no kernel for: the seed's
+    top_k, a framework's native op). Never in place; always on plain layouts."""
+
+    name = "custom"
+
+    def infer(self, node, types):
+        return [tuple(t) for t in node.attrs["outputs"]]
+
+    def choices(self, node, types, homes, graph):
+        outs = [plain(s, d) for s, d in node.attrs["outputs"]]
+        return [Choice([plain(s, d) for s, d in types], outs, None, [], "numpy")]
+
+    def reference(self, node, arrays):
+        result = node.attrs["fn"](*arrays)
+        return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+OPS = {"eltwise": Eltwise(), "binary": Binary(), "softmax": Softmax(), "conv2d": Conv2d(),
+       "custom": Custom()}
