@@ -56,6 +56,18 @@ TARGETS = {
                                        "mcpu": "skylake-avx512"},
                      "x86_64", _X86_V3 + ("avx512f", "avx512bw", "avx512dq", "avx512vl"), 64,
                      "x86-64 with AVX-512 (Skylake-SP and later)"),
+    # Arm: cross-compiled (the aarch64 GNU toolchain links the .so); on an x86 machine such a
+    # library is run under qemu-aarch64 (blockpad.testing.qemu), never loaded.
+    "neon": Target("neon", "arm", {"kind": "llvm", "mtriple": "aarch64-linux-gnu",
+                                   "mattr": ["+neon"]},
+                   "aarch64", ("asimd",), 16, "Arm AArch64 with NEON (Advanced SIMD)",
+                   cross_compiler="aarch64-linux-gnu-gcc"),
+    "neon-dotprod": Target("neon-dotprod", "arm", {"kind": "llvm", "mtriple": "aarch64-linux-gnu",
+                                                   "mattr": ["+neon", "+dotprod"]},
+                           "aarch64", ("asimd", "asimddp"), 16,
+                           "Arm AArch64 with NEON and the dot-product extension (sdot/udot; "
+                           "Armv8.2-A+dotprod: Cortex-A55/A76, Neoverse N1 and later)",
+                           cross_compiler="aarch64-linux-gnu-gcc"),
     **{f"cuda-sm{cc}": _cuda(cc, gpu) for cc, gpu in ((80, "Ampere A100"), (90, "Hopper H100"))},
 }
 

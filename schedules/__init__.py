@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import tvm
 
-from . import cuda, generic, x86
+from . import arm, cuda, generic, x86, x86_conv, x86_reduction
 
 RULES = {
-    "x86": [*x86.RULES, generic.Fallback()],
+    "x86": [*x86.RULES, *x86_conv.RULES, *x86_reduction.RULES, generic.Fallback()],
+    "arm": [*arm.RULES, generic.Fallback()],
     "cuda": [*cuda.RULES, cuda.Fallback()],   # never generic.Fallback: GPU kernels must bind threads
 }
 

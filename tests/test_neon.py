@@ -1,0 +1,440 @@
+"""Arm NEON: one library cross-compiled for ``--target neon`` (aarch64-linux-gnu, +neon), its
+kernels executed for real under qemu-aarch64 (blockpad.testing.qemu) and compared with numpy,
+the NEON instructions asserted in its machine code, and ``blockpad.load`` refusing it on x86.
+
+Needs ``aarch64-linux-gnu-gcc`` (to link the library and the harness) and ``qemu-aarch64``
+(Debian: gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; .ci/run installs them)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import scipy.special
+
+import blockpad as bp
+from blockpad.codegen.spec import parse_spec
+from blockpad.runtime import machine
+from blockpad.runtime.library import Signature
+from blockpad.testing import qemu
+
+from .conftest import garbage, random_array
+
+MISSING = qemu.missing_tools()
+pytestmark = pytest.mark.skipif(
+    bool(MISSING), reason="aarch64 toolchain / emulator not installed: " + "; ".join(MISSING))
+
+SHAPE = [2, 30, 5, 7]          # C=30: the last 4- and 8-channel blocks are partial; W=7 odd
+HALO = {"h": [1, 2], "w": [3, 1]}
+POLICIES = ("dst_fused", "dst_stage", "src")
+
+
+def _eltwise(algorithm, policy, tag="nChw4c", shape=SHAPE):
+    return {"name": f"{algorithm}_{policy}_{tag}", "op": "eltwise", "shape": shape, "src": tag,
+            "dst": tag, "algorithm": algorithm, "policy": policy}
+
+
+SPEC = {
+    "library": {"name": "test-neon"},
+    "kernel": [
+        {"op": "reorder", "shape": SHAPE, "dtypes": ["float32", "int8"], "src": "nchw",
+         "dst": "nChw4c"},
+        {"op": "reorder", "shape": SHAPE, "src": "nChw4c", "dst": "nchw"},
+        {"op": "reorder", "shape": SHAPE, "src": "nchw", "dst": "nChw8c"},
+        {"op": "reorder", "shape": SHAPE, "dtypes": ["float32", "bfloat16"], "src": "nChw8c",
+         "dst": "nchw"},
+        {"op": "reorder", "shape": SHAPE, "src": "nChw8c", "dst": "nChw4c"},
+        {"op": "reorder", "shape": [1, 3, 4, 4], "src": "nchw", "dst": "nChw4c"},
+        {"name": "to_halo", "op": "reorder", "shape": SHAPE, "src": "nchw",
+         "dst": {"tag": "nChw4c", "paddings": HALO}},
+        {"name": "from_halo", "op": "reorder", "shape": SHAPE,
+         "src": {"tag": "nchw", "paddings": {"h": [1, 1], "w": [1, 1]}}, "dst": "nChw8c"},
+        {"name": "to_strided", "op": "reorder", "shape": SHAPE, "src": "nchw",
+         "dst": {"tag": "nChw4c", "strides": [1400, 160, 30, 4, 1]}},
+        {"op": "zero_pad", "shape": SHAPE, "layout": "nChw4c"},
+        {"name": "zero_pad_halo", "op": "zero_pad", "shape": SHAPE,
+         "layout": {"tag": "nChw4c", "paddings": HALO}},
+        *[_eltwise(a, p) for a in ("relu", "sigmoid", "gelu_erf") for p in POLICIES],
+        _eltwise("gelu_erf", "dst_fused", "nChw8c", [1, 30, 3, 5]),
+        _eltwise("relu", "dst_fused", "nchw"),
+        _eltwise("exp", "dst_fused", "nchw"),
+        _eltwise("tanh", "dst_fused", "nChw4c"),
+        _eltwise("gelu_tanh", "dst_fused", "nChw4c"),
+        *[{"name": f"add_{p}", "op": "binary", "shape": SHAPE, "src0": "nChw4c", "src1": "nChw4c",
+           "dst": "nChw4c", "algorithm": "add", "policy": p} for p in POLICIES],
+        {"name": "mul_bcast_src", "op": "binary", "shape": [1, 30, 5, 7], "shape1": [1, 30, 1, 1],
+         "src0": "nChw8c", "src1": "nChw8c", "dst": "nChw8c", "algorithm": "mul",
+         "policy": "src"},
+        # int8 on plain NEON: no sdot there (Armv8.0 lacks it), the generic schedule
+        {"name": "mm_s8", "op": "matmul", "dtype": "int8", "shape": [6, 64], "n": 32,
+         "src": "ab", "weights": "BA4b4a", "dst": "ab"},
+    ],
+}
+
+# int8 with sdot (neon-dotprod): weights with 4 x 4 blocks, output lanes outside reduction
+# lanes (BA4b4a: [N/4][K/4][4n][4k]; OIhw4o4i), K and C not multiples of 16
+DOTPROD_SPEC = {
+    "library": {"name": "test-neon-dotprod"},
+    "kernel": [
+        {"name": "mm_s8", "op": "matmul", "dtype": "int8", "shape": [6, 64], "n": 32,
+         "src": "ab", "weights": "BA4b4a", "dst": "ab"},
+        {"name": "mm_s8_blocked", "op": "matmul", "dtype": "int8", "shape": [5, 30], "n": 30,
+         "src": "aB4b", "weights": "BA4b4a", "dst": "aB4b",
+         "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]},
+        {"name": "conv_s8", "op": "conv2d", "dtype": "int8", "shape": [1, 14, 5, 6],
+         "channels": 10, "kernel": [3, 3], "src": "nChw4c", "weights": "OIhw4o4i",
+         "dst": "nChw4c"},
+    ],
+}
+
+REFERENCE = {
+    "relu": lambda x: np.maximum(x, 0),
+    "sigmoid": lambda x: scipy.special.expit(x.astype(np.float64)),
+    "gelu_erf": lambda x: 0.5 * x * (1 + scipy.special.erf(x.astype(np.float64) / np.sqrt(2))),
+    "exp": lambda x: np.exp(x.astype(np.float64)),
+    "tanh": lambda x: np.tanh(x.astype(np.float64)),
+    "gelu_tanh": lambda x: 0.5 * x * (1 + np.tanh(
+        np.sqrt(2 / np.pi) * (x + 0.044715 * x.astype(np.float64) ** 3))),
+    "add": lambda a, b: a.astype(np.float64) + b,
+    "mul": lambda a, b: a.astype(np.float64) * b,
+}
+
+
+@pytest.fixture(scope="session")
+def neon_dir(tmp_path_factory):
+    """The library, built the way a user builds it: ``blockpad build SPEC --target neon``."""
+    from blockpad.cli import main
+
+    out = tmp_path_factory.mktemp("neon") / "lib"
+    spec = out.parent / "neon.toml"
+    spec.write_text(_toml(SPEC))
+    assert main(["build", str(spec), "--target", "neon", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def neon_lib(neon_dir):
+    return signatures(neon_dir)
+
+
+@pytest.fixture(scope="session")
+def dotprod_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("neon-dotprod") / "lib"
+    bp.build(parse_spec(DOTPROD_SPEC), "neon-dotprod", out, log=lambda m: None)
+    return out
+
+
+def signatures(lib_dir) -> dict:
+    manifest = bp.runtime.manifest.read(lib_dir)
+    return {k["name"]: Signature(k) for k in manifest["kernels"]}
+
+
+def functions(lib_dir) -> dict:
+    """The instructions of each function of a built library, from the assembly the build keeps
+    (``source/kernels.s``, what ``blockpad inspect --asm`` shows)."""
+    funcs, current = {}, None
+    for line in (lib_dir / "source" / "kernels.s").read_text().splitlines():
+        m = re.match(r"\s*\.type\s+([^,]+),@function", line)
+        if m:
+            current = funcs.setdefault(m.group(1), [])
+        elif current is not None and line.startswith("\t") and not line.startswith("\t."):
+            current.append(line.strip())
+    return funcs
+
+
+def kernel_code(funcs, name) -> list:
+    """A kernel's instructions: its entry point and the functions it reaches (the parallel
+    bodies TVM outlines, ``.L__tvm_parallel_lambda*`` or ``<name>_compute_``), not the error
+    helpers every kernel shares."""
+    seen, todo, code = set(), [f"__tvm_ffi_{name}"], []
+    while todo:
+        f = todo.pop()
+        if f in seen or f not in funcs or f.startswith("__tvm_set_raised"):
+            continue
+        seen.add(f)
+        code += funcs[f]
+        text = "\n".join(funcs[f])
+        todo += [g for g in funcs if g not in seen and re.search(rf"[\s,:]{re.escape(g)}\b", text)]
+    return code
+
+
+@pytest.fixture(scope="session")
+def neon_asm(neon_dir) -> dict:
+    return functions(neon_dir)
+
+
+# ---- the library --------------------------------------------------------------------------------
+
+def test_cli_builds_an_aarch64_library_with_a_manifest(neon_dir, neon_lib):
+    elf = (neon_dir / "kernels.so").read_bytes()[:20]
+    assert elf[:4] == b"\x7fELF" and int.from_bytes(elf[18:20], "little") == 183   # EM_AARCH64
+    target = bp.runtime.manifest.read(neon_dir)["target"]
+    assert target["name"] == "neon" and target["arch"] == "aarch64"
+    assert target["features"] == ["asimd"]
+    assert target["tvm"]["mtriple"] == "aarch64-linux-gnu"
+    assert len(neon_lib) >= len(SPEC["kernel"])
+
+
+def test_load_refuses_it_on_another_architecture(neon_dir):
+    if machine.arch() == "aarch64":
+        assert "relu_dst_fused_nChw4c" in bp.load(neon_dir)
+        return
+    with pytest.raises(bp.LoadError, match=r"aarch64.*this machine is x86_64"):
+        bp.load(neon_dir)
+
+
+def test_neon_dotprod_target_requires_asimddp():
+    from blockpad.codegen.targets import get_target
+
+    t = get_target("neon-dotprod")
+    assert (t.family, t.arch, t.cross_compiler) == ("arm", "aarch64", "aarch64-linux-gnu-gcc")
+    assert set(t.features) == {"asimd", "asimddp"} and t.vector_bytes == 16
+    assert "+dotprod" in t.tvm["mattr"]
+
+
+# ---- machine code -------------------------------------------------------------------------------
+
+def test_elementwise_kernels_compute_in_4_lane_fp32_vectors(neon_asm, neon_lib):
+    for name, sig in neon_lib.items():
+        if sig.op not in ("eltwise", "binary"):
+            continue
+        code = kernel_code(neon_asm, name)
+        assert code, f"{name}: no code found in the library"
+        arith = [i for i in code if re.match(r"f[a-z]+\s+v\d+\.4s", i)]
+        assert arith, f"{name}: no 4-lane fp32 arithmetic (fadd/fmul/fmla/fmaxnm ... v.4s)"
+    sig_code = kernel_code(neon_asm, "gelu_erf_dst_fused_nChw4c")
+    assert any(i.startswith("fmla") and ".4s" in i for i in sig_code), "gelu: no fmla v.4s"
+
+
+def test_reorders_store_whole_vectors(neon_asm, neon_lib):
+    for name, sig in neon_lib.items():
+        if sig.op != "reorder":
+            continue
+        code = kernel_code(neon_asm, name)
+        # fp32: q registers (4 lanes; d for the 2-lane rest of a 3-channel block). Narrower
+        # types have scalar stores from w registers (strb/strh), so any store from a SIMD
+        # register is a vector of them: 4 x int8 of a c4 block is one s register, 7 x bf16
+        # of a w=7 row a d + s + h
+        fp32 = sig.args[-1][3] == "float32"
+        reg = r"\b[dq]\d+\b|\bv\d+\.[24]s\b" if fp32 else r"\b[sdq]\d+\b|\bv\d+\."
+        stores = [i for i in code if re.match(r"(str|stp|stur|st1)\s", i) and re.search(reg, i)]
+        assert stores, f"{name}: no vector stores"
+
+
+# ---- running under qemu -------------------------------------------------------------------------
+
+def _fill_dst(layout):
+    """A destination full of NaN (integers: all ones): whatever the kernel leaves is visible."""
+    return bp.Memory(layout, garbage(layout.alloc_len, layout.dtype))
+
+
+def _source(layout, rng, dirty_padding=False):
+    mem = bp.Memory.from_numpy(random_array(layout.shape, layout.dtype, rng), layout)
+    if dirty_padding:
+        mem.buffer[layout.padding_offsets()] = garbage(1, layout.dtype)[0]
+    return mem
+
+
+def _padding(mem):
+    return mem.buffer[mem.layout.padding_offsets()]
+
+
+def test_reorders_and_zero_pads_are_exact(neon_dir, neon_lib, rng):
+    calls, checks = [], []
+    for name, sig in neon_lib.items():
+        if sig.op == "reorder":
+            (_, _, src_l, _), (_, _, dst_l, _) = sig.args
+            # source padding NaN: a reorder must neither read it into valid elements nor copy it
+            src, dst = _source(src_l, rng, dirty_padding=True), _fill_dst(dst_l)
+            calls.append((name, [src, dst]))
+            checks.append((name, src, dst))
+        elif sig.op == "zero_pad" and "__" not in name:
+            lay = sig.args[0][2]
+            mem = _source(lay, rng, dirty_padding=True)
+            want = mem.to_numpy()
+            calls.append((name, [mem]))
+            checks.append((name, want, mem))
+    assert len(calls) >= 13
+    qemu.run_many(neon_dir, calls)
+    for name, src, dst in checks:
+        want = src if isinstance(src, np.ndarray) else src.to_numpy()
+        got = dst.to_numpy()
+        same = got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+        assert same, f"{name}: values differ"
+        pad = _padding(dst)
+        assert not pad.size or not np.any(pad.view(np.uint8)), f"{name}: padding not zero"
+
+
+def _expected_padding(contract, has_stage):
+    """What the destination padding must hold after the call (and its dst stage, if any)."""
+    if has_stage or contract["dst_writes"] in ("full", "select"):
+        return "zero"
+    if contract["dst_writes"] == "valid":
+        return "untouched"   # never written: still the NaN put there before
+    return "any"
+
+
+def test_eltwise_and_binary_match_numpy_under_each_policy(neon_dir, neon_lib, rng):
+    calls, checks = [], []
+    for name, sig in neon_lib.items():
+        if sig.op not in ("eltwise", "binary"):
+            continue
+        contract = sig.padding
+        masked = contract["reads"] == "masked"   # the kernel must ignore source padding
+        srcs = [_source(lay, rng, dirty_padding=masked) for _, role, lay, _ in sig.args[:-1]]
+        dst = _fill_dst(sig.args[-1][2])
+        calls.append((name, [*srcs, dst]))
+        stage = contract.get("dst_stage")
+        if stage:
+            calls.append((stage, [dst]))
+        checks.append((name, sig, srcs, dst, _expected_padding(contract, bool(stage))))
+    policies = {sig.padding["policy"] for _, sig, *_ in checks}
+    assert len(checks) >= 12 and set(POLICIES) <= policies
+    qemu.run_many(neon_dir, calls)
+    for name, sig, srcs, dst, padding in checks:
+        algorithm = sig.params["algorithm"]
+        want = REFERENCE[algorithm](*[s.to_numpy() for s in srcs])
+        got = dst.to_numpy()
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6, err_msg=name)
+        pad = _padding(dst)
+        if padding == "zero":
+            assert np.all(pad == 0), f"{name}: destination padding not zero ({sig.padding})"
+        elif padding == "untouched":
+            assert np.all(np.isnan(pad)), f"{name}: wrote the padding it promised to leave alone"
+
+
+def test_exp_covers_the_whole_fp32_range(neon_dir):
+    # NEON has no vector libm here: exp is a polynomial (schedules.arm.vector_math) and must
+    # still overflow to inf past log(FLT_MAX), and reach 0 at -inf, as expf does
+    x = np.linspace(-30, 30, np.prod(SHAPE)).astype(np.float32).reshape(SHAPE)
+    x.flat[:6] = [np.inf, -np.inf, 88.0, 88.7, 88.75, -87.0]
+    y = np.full(SHAPE, np.nan, np.float32)
+    qemu.run_aarch64(neon_dir, "exp_dst_fused_nchw", [x, y])
+    with np.errstate(over="ignore"):
+        want = np.exp(x.astype(np.float64)).astype(np.float32)
+    assert list(np.isinf(y.flat[:6])) == [True, False, False, False, True, False]
+    assert y.flat[1] == 0
+    np.testing.assert_allclose(y, want, rtol=1e-6)
+
+
+def _int8_calls(lib, rng):
+    """Inputs for every matmul / conv of a library, a NaN-filled destination, and the numpy
+    result: exact int32 accumulation, then fp32 output scale (+ bias, relu)."""
+    calls, checks = [], []
+    for name, sig in lib.items():
+        if sig.op not in ("matmul", "conv2d"):
+            continue
+        args = {}
+        for arg, role, lay, _ in sig.args:
+            args[arg] = _source(lay, rng) if role == "in" else _fill_dst(lay)
+        x, w = args["src"].to_numpy().astype(np.int64), args["weights"].to_numpy().astype(np.int64)
+        if sig.op == "matmul":
+            acc = x @ w
+            scale = args["scale"].to_numpy()
+        else:
+            kh, kw = w.shape[2:]
+            oh, ow = x.shape[2] - kh + 1, x.shape[3] - kw + 1
+            acc = sum(np.einsum("nchw,kc->nkhw", x[:, :, i:i + oh, j:j + ow], w[:, :, i, j])
+                      for i in range(kh) for j in range(kw))
+            scale = args["scale"].to_numpy()[:, None, None]
+        want = acc.astype(np.float32) * scale
+        post = [p["kind"] for p in sig.params.get("post_ops", [])]
+        if "bias" in post:
+            want = np.maximum(want + args["bias"].to_numpy(), 0)
+        calls.append((name, [args[a[0]] for a in sig.args]))
+        checks.append((name, want, args["dst"]))
+    return calls, checks
+
+
+def test_int8_matmul_without_dotprod_uses_no_sdot(neon_dir, neon_lib, neon_asm, rng):
+    assert not any(i.startswith("sdot") for i in kernel_code(neon_asm, "mm_s8"))
+    calls, checks = _int8_calls(neon_lib, rng)
+    qemu.run_many(neon_dir, calls)
+    for name, want, dst in checks:
+        np.testing.assert_allclose(dst.to_numpy(), want, rtol=1e-6, err_msg=name)
+
+
+def test_int8_matmul_and_conv_run_on_sdot(dotprod_dir, rng):
+    lib, asm = signatures(dotprod_dir), functions(dotprod_dir)
+    assert bp.runtime.manifest.read(dotprod_dir)["target"]["features"] == ["asimd", "asimddp"]
+    calls, checks = _int8_calls(lib, rng)
+    assert len(calls) == 3
+    for name, _ in calls:
+        sdot = [i for i in kernel_code(asm, name) if i.startswith("sdot")]
+        assert sdot and all(".4s" in i and ".16b" in i for i in sdot), f"{name}: no sdot"
+    qemu.run_many(dotprod_dir, calls)
+    for name, want, dst in checks:
+        np.testing.assert_allclose(dst.to_numpy(), want, rtol=1e-6, err_msg=name)
+        pad = _padding(dst)
+        assert np.all(pad == 0), f"{name}: destination padding not zero"
+
+
+def test_the_shared_object_holds_neon_code(neon_dir, dotprod_dir):
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
+    if objdump is None:
+        pytest.skip("aarch64-linux-gnu-objdump not installed (binutils-aarch64-linux-gnu)")
+
+    def text(lib):
+        return subprocess.run([objdump, "-d", "--no-show-raw-insn", str(lib / "kernels.so")],
+                              capture_output=True, text=True, check=True).stdout
+    neon, dotprod = text(neon_dir), text(dotprod_dir)
+    assert re.search(r"\bfmla\s+v\d+\.4s", neon) and re.search(r"\bfmaxnm\s+v\d+\.4s", neon)
+    assert not re.search(r"\bsdot\b", neon)
+    assert re.search(r"\bsdot\s+v\d+\.4s, v\d+\.16b, v\d+\.16b", dotprod)
+
+
+def test_plain_numpy_arrays_are_taken_too(neon_dir, rng):
+    x = rng.standard_normal(SHAPE).astype(np.float32)
+    y = np.full(SHAPE, np.nan, np.float32)
+    qemu.run_aarch64(neon_dir, "relu_dst_fused_nchw", [x, y])
+    np.testing.assert_array_equal(y, np.maximum(x, 0))
+
+
+def test_a_kernel_error_comes_back_with_tvms_message(neon_dir, neon_lib, tmp_path):
+    # call the harness directly with a wrong shape: the kernel's own argument check must fire
+    # and its message travel back through TVMFFIErrorMoveFromRaised
+    sig = neon_lib["relu_dst_fused_nchw"]
+    words = []
+    for i, (_, _, lay, storage) in enumerate(sig.args):
+        path = tmp_path / f"{i}.bin"
+        np.zeros(lay.alloc_len, np.float32).tofile(path)
+        words.append(qemu._tensor_word(lay, storage, str(path)).replace("2x30x5x7", "2x30x5x6"))
+    calls = tmp_path / "calls.txt"
+    calls.write_text(" ".join(["relu_dst_fused_nchw", *words]) + "\n")
+    r = subprocess.run([qemu.qemu_binary(), "-L", qemu.SYSROOT, "-cpu", "max", str(qemu.harness()),
+                        str(neon_dir / "kernels.so"), str(calls)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "ValueError" in r.stderr and "shape[3]" in r.stderr and "expected 7" in r.stderr
+
+
+def test_arguments_are_checked_against_the_signature(neon_dir, neon_lib):
+    wrong = bp.Memory.zeros(bp.Layout("nChw8c", SHAPE))
+    with pytest.raises(bp.ArgumentError, match="expected layout"):
+        qemu.run_aarch64(neon_dir, "relu_dst_fused_nChw4c", [wrong, wrong])
+    with pytest.raises(bp.ArgumentError, match="has kernels"):
+        qemu.run_aarch64(neon_dir, "no_such_kernel", [])
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def _toml(spec: dict) -> str:
+    """A minimal TOML writer for this spec (tomllib only reads)."""
+    def value(v):
+        if isinstance(v, str):
+            return f'"{v}"'
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        return repr(v)
+
+    lines = ["[library]"] + [f"{k} = {value(v)}" for k, v in spec["library"].items()]
+    for k in spec["kernel"]:
+        lines += ["", "[[kernel]]"] + [f"{key} = {value(v)}" for key, v in k.items()]
+    parse_spec(spec)   # the same spec, parsed directly, must be valid too
+    return "\n".join(lines) + "\n"
