@@ -1,24 +1,29 @@
 """Softmax and log-softmax over one axis (the blocked channel axis by default), fp32:
 
-    max[j]  = max_c x[j, c]                     j: every index but the axis ("a row")
-    sum[j]  = sum_c exp(x[j, c] - max[j])
-    norm[j] = 1 / sum[j]          (log: max[j] + log(sum[j]))
-    dst[j, c] = exp(x[j, c] - max[j]) * norm[j]      (log: x[j, c] - norm[j])
+    max[j]    = max_c x[j, c]                      j: every index but the axis (a "row")
+    exp[j, c] = exp(x[j, c] - max[j])              0 where x has padding
+    sum[j]    = sum_c exp[j, c]
+    norm[j]   = 1 / sum[j]                         log: max[j] + log(sum[j])
+    dst[j, c] = exp[j, c] * norm[j]                log: x[j, c] - norm[j]
 
-The row statistics are stages of the kernel over the logical shape with the axis of extent 1;
-``materialize`` stores the last line under the padding plan. The reductions run over the logical
-extent of the axis only, walked as the source's blocks (``c = rb * B + ri``, so that schedules
-can vectorise along a block) with the channels past ``C`` read as ``-inf``: padding adds nothing
-to the max nor to the sum (exp(0) = 1 would), and source padding is never read. The value at a
-padded destination channel is exp(0 - max) / sum, not zero: ``propagates_zero`` derives that,
-so ``dst_fused`` stores zeros there explicitly.
-"""
+Padding never enters the max nor the sum (exp(0) = 1 would): the max reads channels past the
+logical extent as -inf, and ``exp`` is a stage of the kernel laid out like the source whose
+padding is exactly 0 (exp(-inf)), so the sum runs over whole blocks without a tail. Source
+padding is never read: any policy may leave it dirty. ``exp`` is kept rather than recomputed
+for the store (one exp per element, the kernel's main cost), and since its padding is zero,
+softmax keeps destination padding zero by its own arithmetic (``propagates_zero`` derives it;
+log-softmax, x - norm, does not).
+
+The statistics and ``exp`` are stages over logical indices (``Stage``), read like sources;
+``materialize`` stores the last line under the padding plan."""
 
 from __future__ import annotations
 
 import math
 
+import tvm
 from tvm import te, tirx
+from tvm.sym.analyzer import Analyzer
 
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
@@ -37,74 +42,105 @@ def make(layouts, name, policy, axis=1, log=False):
     if src.dtype != "float32":
         raise SpecError(f"softmax: dtype must be float32; got {src.dtype}")
     axis %= src.rank
+    rows = Layout.plain(tuple(1 if d == axis else n for d, n in enumerate(src.shape)))
 
     def opdef(mode):
-        x = Source("src", src, mode)
-        mx = Rows(x, axis, "max", lambda read, j, red: te.max(read(), axis=red))
-        sm = Rows(x, axis, "sum", lambda read, j, red: te.sum(exp(read() - mx(*j)), axis=red))
-        norm = Rows(x, axis, "norm", lambda read, j, red:
-                    mx(*j) + tirx.log(sm(*j)) if log else tirx.const(1, "float32") / sm(*j))
-        if log:
-            def value(*i):
-                return x(*i) - norm(*i)
-        else:
-            def value(*i):
-                return exp(x(*i) - mx(*i)) * norm(*i)
+        x = VectorSource("src", src, mode)
+
+        def over_axis(name, reducer, element):
+            """A row statistic: ``reducer`` of ``element(idx)`` along the axis, walked as the
+            source's blocks (``c = rb * B + ri``: schedules vectorise along a block)."""
+            block = src.block_of(axis)
+            axes = [te.reduce_axis((0, src.padded_shape[axis] // block), f"{name}_rb")]
+            if block > 1:
+                axes.append(te.reduce_axis((0, block), f"{name}_ri"))
+            c = axes[0] * block + axes[1] if block > 1 else axes[0]
+            return Stage(name, x, rows, lambda *j: reducer(
+                element([c if d == axis else v for d, v in enumerate(j)]), axis=axes),
+                axes=axes, row_axis=axis)
+
+        mx = over_axis("max", te.max, lambda i: x(*i, pad=-math.inf))
+        e = Stage("exp", x, src, lambda *i: exp(x(*i, pad=-math.inf) - mx(*i)))
+        sm = over_axis("sum", te.sum, lambda i: e(*i))
+        norm = Stage("norm", x, rows, (lambda *j: mx(*j) + tirx.log(sm(*j))) if log else
+                     (lambda *j: tirx.const(1, "float32") / sm(*j)), row_axis=axis)
+        value = (lambda *i: x(*i) - norm(*i)) if log else (lambda *i: e(*i) * norm(*i))
         return OpDef("softmax", [x], value, params={"axis": axis, "log": bool(log)})
 
     p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=False)
     return materialize(opdef(p.reads), dst, p, name)
 
 
-class Rows(Source):
-    """A per-row statistic: a stage of the kernel over the source's logical shape with ``axis``
-    of extent 1, read like a source (any index along ``axis`` reads the row's value; a read
-    outside the rows, from destination padding along another dim, is guarded).
-
-    ``body(read, j, axes)`` gives the value at row ``j``; ``read()`` is the row's element at the
-    reduction variables ``axes`` (the source's blocks along ``axis``), ``-inf`` past the
-    logical extent."""
-
-    def __init__(self, x: Source, axis: int, name: str, body):
-        lay = x.layout
-        shape = tuple(1 if d == axis else n for d, n in enumerate(lay.shape))
-        super().__init__(name, Layout.plain(shape, lay.dtype))
-        self.x, self.axis = x, axis
-        block = lay.block_of(axis)
-        axes = [te.reduce_axis((0, -(-lay.shape[axis] // block)), f"{name}_rb")]
-        if block > 1:
-            axes.append(te.reduce_axis((0, block), f"{name}_ri"))
-        c = axes[0] * block + axes[1] if block > 1 else axes[0]
-        ranges = {ax.var: (0, int(ax.dom.extent) - 1) for ax in axes}
-
-        def at(*j):
-            x.bounds = {**ranges, **{v: (0, n - 1) for v, n in zip(j, shape)}}
-            idx = [c if d == axis else v for d, v in enumerate(j)]
-            return body(lambda: x(*idx, pad=-math.inf), j, axes)
-
-        self.tensor = te.compute(shape, at, name=name)
+class VectorSource(Source):
+    """A ``Source`` whose guarded reads that stay inside the buffer (padding that exists in
+    memory, e.g. the last channel block) are ``Select(in_tensor, load, pad)``, not
+    ``if_then_else``: the load is safe either way, and a Select vectorises as a blend where TVM
+    scalarises a loop whose if_then_else condition differs between lanes. (A candidate for
+    ``common.Source`` itself.)"""
 
     def __call__(self, *idx, pad=0):
-        self.bounds = self.x.bounds   # the ranges materialize gives the kernel's sources
-        return super().__call__(*(0 if d == self.axis else i for d, i in enumerate(idx)), pad=pad)
+        v = super().__call__(*idx, pad=pad)
+        if isinstance(v, tvm.ir.expr.Call) and v.op.name == "prim.if_then_else" \
+                and self._in_buffer(idx):
+            return tirx.Select(*v.args)
+        return v
+
+    def _in_buffer(self, idx) -> bool:
+        ana = Analyzer()
+        for var, (lo, hi) in self.bounds.items():
+            ana.bind(var, tvm.ir.Range(lo, hi + 1))
+        lay = self.layout
+        for x, n, (before, after) in zip(idx, lay.padded_shape, lay.paddings):
+            b = ana.const_int_bound(tirx.const(x, "int32") if isinstance(x, int) else x)
+            if b.min_value < -before or b.max_value >= n + after:
+                return False
+        return True
+
+
+class Stage(Source):
+    """A stage of the kernel: a tensor in ``layout``, ``fn`` of the logical index (reducing
+    over ``axes``), read like a source (guarded outside its buffer; its padding is clean when
+    ``fn`` is 0 there). With ``row_axis``, the layout holds one value per row (that axis of
+    extent 1) and a read at any index along the axis reads its row's value."""
+
+    def __init__(self, name, x: Source, layout: Layout, fn, axes=(), row_axis=None):
+        super().__init__(name, layout)
+        self.x, self.row_axis = x, row_axis
+        ranges = {ax.var: (int(ax.dom.min), int(ax.dom.min + ax.dom.extent) - 1) for ax in axes}
+
+        def at(*p):
+            x.bounds = {**ranges, **{v: (0, n - 1) for v, n in zip(p, layout.physical_shape)}}
+            return fn(*layout.to_logical(p))
+
+        self.tensor = te.compute(layout.physical_shape, at, name=name)
+
+    def __call__(self, *idx, pad=0):
+        self.bounds = self.x.bounds   # the ranges of whichever stage is reading
+        if self.row_axis is not None:
+            idx = [0 if d == self.row_axis else i for d, i in enumerate(idx)]
+        return super().__call__(*idx, pad=pad)
 
 
 def exp(value):
-    """exp of a float32, as Cephes' expf computes it: 2^n * p(r), n = round(x / ln 2), with a
-    degree-6 polynomial p (relative error ~2e-7). A dozen vector instructions per register,
-    where ``tirx.exp`` becomes one libm call per lane (about 4.5 ns an element here, several
-    times the memory time of a softmax). Below the smallest normal result it is exactly 0, so
-    channels read as ``-inf`` add exactly nothing to a sum."""
+    """exp of a float32, as Cephes' expf computes it: 2^n * p(r) with n = round(x / ln 2), r the
+    rest and p a degree-6 polynomial (relative error ~2e-7); 16 vector instructions per
+    register, where ``tirx.exp`` becomes one libm call per lane (about 4.5 ns an element here,
+    several times the memory time of a softmax). n is rounded by adding 1.5 * 2^23 + 127, which
+    leaves n + 127, the exponent of 2^n, in the low bits of the sum. Below the smallest normal
+    result the exponent is 0 and so is the result, exactly: channels read as ``-inf`` add
+    exactly nothing to a sum. Above 88.38 it saturates at exp(88.38) = 2.4e38."""
     def f(v):
         return tirx.const(v, "float32")
 
-    lo, hi = -87.3365447505531, 88.3762626647949   # exp(lo) = smallest normal float
-    x, xc, n, r = (tirx.Var(v, "float32") for v in ("x", "xc", "n", "r"))
-    steps = [(x, value),
-             (xc, tirx.min(tirx.max(x, f(lo)), f(hi))),
-             (n, tirx.floor(xc * f(1.44269504088896341) + f(0.5))),   # xc = n ln2 + r
-             (r, xc - n * f(0.693359375) + n * f(2.12194440e-4))]      # ln 2 in two parts
-    out = tirx.Select(x < f(lo), f(0), _poly(r) * _pow2(n))
+    lo, hi = -127 * math.log(2), 88.3762626647949    # n = -127 gives 0.0; n stays <= 127
+    magic = f(1.5 * 2 ** 23 + 127)
+    x, t, n, r = (tirx.Var(v, "float32") for v in ("x", "t", "n", "r"))
+    steps = [(x, tirx.min(tirx.max(value, f(lo)), f(hi))),
+             (t, x * f(1 / math.log(2)) + magic),
+             (n, t - magic),
+             (r, x - n * f(0.693359375) + n * f(2.12194440e-4))]   # ln 2 in two parts
+    out = _poly(r) * tirx.reinterpret("float32", tirx.shift_left(
+        tirx.reinterpret("int32", t), 23))
     for var, val in reversed(steps):
         out = tirx.Let(var, val, out)
     return out
@@ -117,8 +153,3 @@ def _poly(r):
                  5.0000001201e-1):
         p = p * r + tirx.const(coef, "float32")
     return p * r * r + r + tirx.const(1, "float32")
-
-
-def _pow2(n):
-    """2^n for an integral float n in the normal range: n + 127 in the exponent bits."""
-    return tirx.reinterpret("float32", tirx.shift_left(n.astype("int32") + 127, 23))

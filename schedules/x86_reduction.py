@@ -1,0 +1,253 @@
+"""x86 schedules (AVX2, AVX-512) for softmax and pooling: memory-bound reductions that read
+each source element a few times and write each destination element once.
+
+Softmax (``codegen.ops.softmax``: row statistics ``max``, ``sum``, ``norm``, then ``dst``) is
+computed one tile of rows at a time: the destination's loops along the softmax axis, and the
+row loops physically inside them (``nChw16c``'s ``w``, ``nchw``'s ``w``), go inside the tile
+while it holds at most ``TILE_BYTES``; the row statistics are computed per tile, right before
+the tile is written. The tile's source elements are read three times (max, sum, store) while
+they are in L1/L2, and the DRAM sees each byte once. Per tile, every stage walks the source in
+memory order with vectors along its contiguous dim:
+
+* along the axis (``nChw16c``'s channel block, ``nhwc``'s channels), a statistic is factorised
+  over the vector lanes (``rfactor``): a vector of partial maxima / sums per row, reduced
+  across the lanes once per row;
+* along the rows (``nchw``'s ``w`` for a channel softmax), a statistic is a vector of rows and
+  the reduction walks the axis outside it.
+
+(A tile of one ``nChw16c`` pixel is slower: its 16 channel blocks lie a multiple of 4 KiB
+apart, so they all fall in one 8-way L1 set and evict each other between the passes.)
+
+Pooling (``acc``, the window reduction, and ``dst``, the average's division and the padding
+store): ``acc`` is computed per vector of the destination's innermost dim, in a register-sized
+local buffer, with the window loops outside the vector.
+
+The loops outside the tile run in parallel (fused into one) unless the kernel is too small for
+threads to pay. The rules read block names, loops and index expressions, never layout tags; a
+nest they did not foresee raises a ScheduleError and is left to the generic rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.sym.analyzer import Analyzer
+
+from .common import op_of, vector_lanes
+from .x86 import SERIAL_BYTES
+
+TILE_BYTES = 64 << 10    # softmax rows computed together: their source stays in L2 between passes
+SPATIAL, REDUCE = 0, 2   # IterVar types
+# softmax's stages before dst, in order, each with the buffer it walks
+STAGES = {"max": "src", "exp": "src", "sum": "exp", "norm": "sum"}
+
+_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
+
+
+class Softmax:
+    ops = ("softmax",)
+
+    def apply(self, func, target):
+        if op_of(func) not in self.ops:
+            return None
+        sch = s_tir.Schedule(func)
+        try:
+            return sch if _softmax(sch, vector_lanes(target, "float32")) else None
+        except s_tir.ScheduleError:
+            return None
+
+
+class Pool:
+    ops = ("pool",)
+
+    def apply(self, func, target):
+        if op_of(func) not in self.ops:
+            return None
+        sch = s_tir.Schedule(func)
+        try:
+            return sch if _pool(sch, vector_lanes(target, "float32")) else None
+        except s_tir.ScheduleError:
+            return None
+
+
+def _softmax(sch, lanes) -> bool:
+    dst = sch.get_sblock("dst")
+    loops = sch.get_loops(dst)
+    extents = [int(sch.get(l).extent) for l in loops]
+    row_vars = _vars(r.min for r in _read_of(sch, dst, "norm").region)
+    is_row = [any(v.same_as(iv.var) for v in row_vars) for iv in sch.get(dst).iter_vars]
+    if all(is_row) or not any(is_row):
+        return False
+    # the tile: the axis loops, the innermost loop (the vectors), and the row loops inside the
+    # outermost axis loop, innermost first, while the tile holds at most TILE_BYTES
+    inner = {i for i, r in enumerate(is_row) if not r} | {len(loops) - 1}
+    size = 4 * math.prod(extents[i] for i in inner)
+    for i in reversed(range(is_row.index(False), len(loops))):
+        if i not in inner:
+            if size * extents[i] > TILE_BYTES:
+                break
+            inner.add(i)
+            size *= extents[i]
+    outer = [l for i, l in enumerate(loops) if i not in inner]
+    if not outer:
+        return False
+    rf = {}   # reduction stage -> its partial results per lane, when vectors run along the axis
+    for name in ("max", "sum"):
+        block = sch.get_sblock(name)
+        strides = _strides(sch, block, STAGES[name])
+        contiguous = min(range(len(strides)), key=lambda i: strides[i])
+        loop = sch.get_loops(block)[contiguous]
+        extent = int(sch.get(loop).extent)
+        if strides[contiguous] == 1 and _loop_kinds(sch, block, [loop]) == [REDUCE] \
+                and extent % lanes == 0:
+            if _width(extent, lanes) != extent:   # up to 4 registers of independent partials
+                loop = sch.split(loop, [None, lanes])[1]
+            rank = len(sch.get(block).writes[0].source.shape)
+            rf[name] = sch.rfactor(loop, rank)   # lanes innermost
+    sch.reorder(*outer, *(l for i, l in enumerate(loops) if i in inner))
+    outer = _parallel(sch, outer)
+    for name in reversed(STAGES):
+        sch.compute_at(sch.get_sblock(name), outer)
+        if name in rf:
+            sch.compute_at(rf[name], outer)
+    for name, walks in STAGES.items():
+        block = sch.get_sblock(name)
+        if name in rf:
+            _vectorize(sch, rf[name], lanes, walks)
+            partial = sch.get(rf[name]).writes[0].source.name
+            loops = _memory_order(sch, block, partial)   # the lanes' partial results, reduced
+            sch.reorder(*loops)
+            sch.unroll(loops[-1])
+        else:
+            _vectorize(sch, block, lanes, walks)
+    _vectorize(sch, dst, lanes, "dst")
+    return True
+
+
+def _pool(sch, lanes) -> bool:
+    acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
+    *outer, inner = sch.get_loops(dst)
+    if not outer:
+        return False
+    if int(sch.get(inner).extent) > _width(int(sch.get(inner).extent), lanes):
+        outer.append(sch.split(inner, [None, lanes])[0])
+    outer = _parallel(sch, outer)
+    sch.compute_at(acc, outer)
+    _vectorize(sch, acc, lanes, "src")
+    _vectorize(sch, dst, lanes, "dst")
+    return True
+
+
+def _vectorize(sch, block, lanes, buffer):
+    """Vectorise ``block`` below the kernel's outer loop: its spatial loop of least stride in
+    ``buffer`` goes innermost and is vectorised (split to ``_width`` lanes); the reduction
+    loops go right outside it, so that the partial results stay in registers across the
+    reduction; the other spatial loops outside those, walking ``buffer`` in memory order.
+    Then the reduction's initialisation is split off, vectorised too."""
+    walk = _memory_order(sch, block, buffer)
+    kinds = _loop_kinds(sch, block, walk)
+    spatial = [l for l, k in zip(walk, kinds) if k == SPATIAL]
+    reduce = [l for l, k in zip(walk, kinds) if k == REDUCE]
+    if spatial:
+        vec = spatial.pop()
+        extent = int(sch.get(vec).extent)
+        if extent > _width(extent, lanes):
+            part, vec = sch.split(vec, [None, lanes])
+            spatial.append(part)
+        sch.reorder(*spatial, *reduce, vec)
+        sch.vectorize(vec)
+    if reduce:
+        init = sch.decompose_reduction(block, reduce[0])
+        if spatial:
+            sch.vectorize(sch.get_loops(init)[-1])
+
+
+def _memory_order(sch, block, buffer) -> list:
+    """The loops of ``block`` under the kernel's outer loop, by decreasing stride in ``buffer``
+    (see ``_strides``): the order that walks it in memory order."""
+    loops = sch.get_loops(block)[1:]
+    strides = _strides(sch, block, buffer)[1:]
+    return [loops[i] for i in sorted(range(len(loops)), key=lambda i: -strides[i])]
+
+
+def _width(extent, lanes) -> int:
+    """Lanes of the vectors along a loop of ``extent``: the whole loop when it is at most four
+    registers (LLVM splits a long vector into registers: independent operations, and no
+    predicated tail, which TVM would not vectorise), else ``lanes``."""
+    return extent if extent <= 4 * lanes else lanes
+
+
+def _parallel(sch, loops):
+    """The outer ``loops`` of the kernel fused into one, which runs in parallel when the kernel
+    moves enough bytes for threads to pay (else on one thread: a launch costs more than it
+    saves)."""
+    loop = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    nbytes = sum(math.prod(int(n) for n in p.shape) * tvm_ffi.dtype(p.dtype).itemsize
+                 for p in sch.mod["main"].params)
+    if nbytes >= SERIAL_BYTES:
+        sch.parallel(loop)
+    return loop
+
+
+def _strides(sch, block, buffer) -> list:
+    """Elements of ``buffer`` (or, when ``block`` does not access it, of the block's output)
+    between two steps of each loop of ``block``; ``math.inf`` for a loop that does not walk it
+    (a step of 0, a single iteration) or whose step is not constant."""
+    realize = _realize(sch, block)
+    bind = {iv.var: v for iv, v in zip(realize.block.iter_vars, realize.iter_values)}
+    accesses = (*sch.get(block).writes, *sch.get(block).reads)
+    region = next((r for r in accesses if r.source.name == buffer), accesses[0])
+    buf = region.source
+    strides = list(buf.strides) or [math.prod(int(n) for n in buf.shape[i + 1:])
+                                    for i in range(len(buf.shape))]
+    offset = _substitute(sum(r.min * s for r, s in zip(region.region, strides)), bind)
+    loops = sch.get_loops(block)
+    loop_vars = [sch.get(l).loop_var for l in loops]
+    zero = {v: tirx.const(0, str(v.ty.dtype)) for v in loop_vars}
+    ana, out = Analyzer(), []
+    for loop, v in zip(loops, loop_vars):
+        step = ana.simplify(_substitute(offset, {**zero, v: tirx.const(1, str(v.ty.dtype))})
+                            - _substitute(offset, zero))
+        walks = isinstance(step, tirx.IntImm) and step.value != 0 and sch.get(loop).extent != 1
+        out.append(abs(int(step)) if walks else math.inf)
+    return out
+
+
+def _loop_kinds(sch, block, loops) -> list:
+    """SPATIAL or REDUCE for each of ``loops``, from the block's iter var bindings."""
+    realize = _realize(sch, block)
+    kinds = []
+    for loop in loops:
+        var = sch.get(loop).loop_var
+        kinds.append(next((int(iv.iter_type) for iv, v in zip(realize.block.iter_vars,
+                                                               realize.iter_values)
+                           if any(u.same_as(var) for u in _vars([v]))), SPATIAL))
+    return kinds
+
+
+def _read_of(sch, block, name):
+    return next(r for r in sch.get(block).reads if r.source.name == name)
+
+
+def _vars(exprs) -> list:
+    return [v for e in exprs for v in tirx.analysis.undefined_vars(e)]
+
+
+def _substitute(expr, mapping: dict):
+    return tvm_ffi.structural_map(
+        expr, (tirx.Var, lambda v: next((new for old, new in mapping.items() if v.same_as(old)),
+                                        v)))
+
+
+def _has_block(sch, name) -> bool:
+    try:
+        sch.get_sblock(name)
+        return True
+    except Exception:  # noqa: BLE001 - s_tir raises a generic error for a missing block
+        return False
+
+
+RULES = [Softmax(), Pool()]
