@@ -136,42 +136,26 @@ def _zero_desc(dtype):
     return desc
 
 
-@T.prim_func(s_tir=True)
-def _amx_cfg_zero_i32_impl(c: T.handle) -> None:
-    sc = T.int32()
-    C = T.match_buffer(c, (16, 16), "int32", offset_factor=1, strides=[sc, 1])
-    with T.sblock("root"):
-        T.reads()
-        T.writes(C[0:16, 0:16])
-        cfg = T.alloc_buffer((64,), "uint8", scope="local")   # not sblock_alloc: tensorize drops it
-        for b in range(64):
-            cfg[b] = T.uint8(0)
-        cfg[0] = T.uint8(1)                                    # palette 1
-        for t in range(3):
-            cfg[16 + 2 * t] = T.uint8(64)                      # colsb[t] = 64 bytes
-            cfg[48 + t] = T.uint8(16)                          # rows[t] = 16
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", cfg.access_ptr("r")))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(0)))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(0), C.access_ptr("w"), T.int64(sc * 4)))
-
-
-@T.prim_func(s_tir=True)
-def _amx_cfg_zero_f32_impl(c: T.handle) -> None:
-    sc = T.int32()
-    C = T.match_buffer(c, (16, 16), "float32", offset_factor=1, strides=[sc, 1])
-    with T.sblock("root"):
-        T.reads()
-        T.writes(C[0:16, 0:16])
-        cfg = T.alloc_buffer((64,), "uint8", scope="local")
-        for b in range(64):
-            cfg[b] = T.uint8(0)
-        cfg[0] = T.uint8(1)
-        for t in range(3):
-            cfg[16 + 2 * t] = T.uint8(64)
-            cfg[48 + t] = T.uint8(16)
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", cfg.access_ptr("r")))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(0)))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(0), C.access_ptr("w"), T.int64(sc * 4)))
+def _amx_cfg_zero_impl(dtype):
+    """Load the tile configuration (palette 1, three 16 x 64-byte tiles) and zero tile 0 into C."""
+    @T.prim_func(s_tir=True)
+    def impl(c: T.handle) -> None:
+        sc = T.int32()
+        C = T.match_buffer(c, (16, 16), dtype, offset_factor=1, strides=[sc, 1])
+        with T.sblock("root"):
+            T.reads()
+            T.writes(C[0:16, 0:16])
+            cfg = T.alloc_buffer((64,), "uint8", scope="local")   # not sblock_alloc: tensorize drops it
+            for b in range(64):
+                cfg[b] = T.uint8(0)
+            cfg[0] = T.uint8(1)                                    # palette 1
+            for t in range(3):
+                cfg[16 + 2 * t] = T.uint8(64)                      # colsb[t] = 64 bytes
+                cfg[48 + t] = T.uint8(16)                          # rows[t] = 16
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", cfg.access_ptr("r")))
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(0)))
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(0), C.access_ptr("w"), T.int64(sc * 4)))
+    return impl
 
 
 VNNI = "blockpad_vnni_16x4"
@@ -186,8 +170,8 @@ def register() -> None:
     """Register every intrinsic and its ``_ref`` twin (the description as implementation)."""
     pairs = {VNNI: (_vnni_desc, _vnni_impl), AMX_INT8: (_amx_u8s8_desc, _amx_u8s8_impl),
              AMX_BF16: (_amx_bf16_desc, _amx_bf16_impl),
-             AMX_ZERO_I32: (_zero_desc("int32"), _amx_cfg_zero_i32_impl),
-             AMX_ZERO_F32: (_zero_desc("float32"), _amx_cfg_zero_f32_impl)}
+             AMX_ZERO_I32: (_zero_desc("int32"), _amx_cfg_zero_impl("int32")),
+             AMX_ZERO_F32: (_zero_desc("float32"), _amx_cfg_zero_impl("float32"))}
     for name, (desc, impl) in pairs.items():
         TensorIntrin.register(name, desc, impl)
         TensorIntrin.register(name + "_ref", desc, desc)

@@ -20,6 +20,7 @@ import tvm_ffi
 from tvm import s_tir, te, tirx
 from tvm.sym.analyzer import Analyzer
 
+from blockpad.errors import SpecError
 from blockpad.layout import Layout
 
 from ..kernel import Arg, Kernel, finish
@@ -178,6 +179,15 @@ def materialize(opdef: OpDef, dst: Layout, plan: Plan, name: str,
     else:
         kernel.contract["dst_stage"] = None
     return kernels
+
+
+def int_pair(op: str, value, what: str, least: int) -> tuple:
+    """A spec's ``kernel``/``stride``/``pad``/``dilation``: one integer or a pair, each >= least."""
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2 or not all(isinstance(v, int) and v >= least for v in pair):
+        raise SpecError(f"{op}: {what} must be an integer >= {least} or a pair of them; "
+                        f"got {value!r}")
+    return pair
 
 
 # ---- helpers ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from blockpad.layout import Layout
 
 from ..policy import plan
 from . import postops
-from .common import OpDef, Source, materialize, propagates_zero
+from .common import OpDef, Source, int_pair, materialize, propagates_zero
 
 TENSORS = ("src", "weights", *postops.TENSORS, "dst")
 PARAMS = {"channels": None, "kernel": [1, 1], "stride": [1, 1], "pad": [0, 0],
@@ -68,8 +68,9 @@ class Geometry:
         if not isinstance(g, int) or g < 1 or shape[1] % g or channels % g:
             raise SpecError(f"conv2d: groups must divide C={shape[1]} and channels={channels}; "
                             f"got {groups!r}")
-        geo = cls(*shape, channels, g, _pair(kernel, "kernel", 1), _pair(stride, "stride", 1),
-                  _pair(pad, "pad", 0), _pair(dilation, "dilation", 1))
+        pair = lambda v, what, least: int_pair("conv2d", v, what, least)  # noqa: E731
+        geo = cls(*shape, channels, g, pair(kernel, "kernel", 1), pair(stride, "stride", 1),
+                  pair(pad, "pad", 0), pair(dilation, "dilation", 1))
         if min(geo.out) < 1:
             raise SpecError(f"conv2d: the kernel {list(geo.kernel)} (dilation "
                             f"{list(geo.dilation)}) does not fit the padded image "
@@ -162,11 +163,3 @@ class PaddedCopy(Source):
     def __call__(self, *idx, pad=0):
         self.bounds = self.src.bounds   # the ranges materialize gives the kernel's sources
         return super().__call__(*idx, pad=pad)
-
-
-def _pair(value, what, least) -> tuple:
-    pair = (value, value) if isinstance(value, int) else tuple(value)
-    if len(pair) != 2 or not all(isinstance(v, int) and v >= least for v in pair):
-        raise SpecError(f"conv2d: {what} must be an integer >= {least} or a pair of them; "
-                        f"got {value!r}")
-    return pair

@@ -22,7 +22,7 @@ from tvm import te, tirx
 from blockpad.errors import SpecError
 
 from ..policy import plan
-from .common import OpDef, Source, materialize, propagates_zero
+from .common import OpDef, Source, int_pair, materialize, propagates_zero
 
 PARAMS = {"algorithm": "max", "kernel": [2, 2], "stride": None, "pad": [0, 0],
           "dilation": [1, 1], "exclude_pad": True}
@@ -33,9 +33,9 @@ def geometry(shape, kernel, stride, pad, dilation):
     the image (else its average has no cells to divide by)."""
     if len(shape) != 4:
         raise SpecError(f"pool: shape is the source's (N, C, H, W); got {list(shape)}")
-    kernel, pad, dilation = _pair(kernel, "kernel", 1), _pair(pad, "pad", 0), \
-        _pair(dilation, "dilation", 1)
-    stride = kernel if stride is None else _pair(stride, "stride", 1)
+    kernel, pad = int_pair("pool", kernel, "kernel", 1), int_pair("pool", pad, "pad", 0)
+    dilation = int_pair("pool", dilation, "dilation", 1)
+    stride = kernel if stride is None else int_pair("pool", stride, "stride", 1)
     out = tuple((n + 2 * p - d * (k - 1) - 1) // s + 1
                 for n, k, s, p, d in zip(shape[2:], kernel, stride, pad, dilation))
     for n, k, s, p, d, o in zip(shape[2:], kernel, stride, pad, dilation, out):
@@ -96,11 +96,3 @@ def _cells(start, k, d, n):
     first = tirx.max(0, -(start // d))             # ceil(-start / d)
     last = tirx.min(k - 1, (n - 1 - start) // d)
     return last - first + 1
-
-
-def _pair(value, what, least) -> tuple:
-    pair = (value, value) if isinstance(value, int) else tuple(value)
-    if len(pair) != 2 or not all(isinstance(v, int) and v >= least for v in pair):
-        raise SpecError(f"pool: {what} must be an integer >= {least} or a pair of them; "
-                        f"got {value!r}")
-    return pair
