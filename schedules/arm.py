@@ -284,7 +284,6 @@ def _substitute(expr, mapping: dict):
 
 # ---- int8 dot products: sdot ------------------------------------------------------------------
 
-SDOT = "blockpad_dot_4x4_i8i8s32_sdot"
 SPATIAL, REDUCE = 0, 2   # IterVar types
 
 
@@ -381,43 +380,9 @@ def _uses_var(expr, var) -> bool:
 
 @functools.cache
 def _sdot_intrin() -> str:
-    """Register the sdot intrinsic: the description and implementation of TVM's own
-    ``dot_4x4_i8i8s32_sdot`` (tvm.s_tir.tensor_intrin.arm_cpu), defined here because importing
-    that package parses every intrinsic TVM has, CUDA's included: 30 s or more."""
-    from tvm.s_tir import TensorIntrin
-    from tvm.script import tirx as T
+    from .arm_intrin import register
 
-    @T.prim_func(s_tir=True)
-    def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
-        A = T.match_buffer(a, (4,), "int8", offset_factor=1, align=1)
-        B = T.match_buffer(b, (4, 4), "int8", offset_factor=1, align=1)
-        C = T.match_buffer(c, (4,), "int32", offset_factor=1, align=1)
-        with T.sblock("root"):
-            T.reads(C[0:4], A[0:4], B[0:4, 0:4])
-            T.writes(C[0:4])
-            for i in T.serial(0, 4):
-                for k in T.serial(0, 4):
-                    with T.sblock("update"):
-                        vi, vk = T.axis.remap("SR", [i, k])
-                        C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
-
-    @T.prim_func(s_tir=True)
-    def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
-        A = T.match_buffer(a, (4,), "int8", offset_factor=1, align=1)
-        B = T.match_buffer(b, (4, 4), "int8", offset_factor=1, align=1)
-        C = T.match_buffer(c, (4,), "int32", offset_factor=1, align=1)
-        with T.sblock("root"):
-            T.reads(C[0:4], A[0:4], B[0:4, 0:4])
-            T.writes(C[0:4])
-            vec_a = T.reinterpret(T.broadcast(T.reinterpret(A.vload([0], "int8x4"), dtype="int32"),
-                                              4), dtype="int8x16")
-            C[T.ramp(T.int32(0), 1, 4)] = T.call_llvm_pure_intrin(
-                T.llvm_lookup_intrinsic_id("llvm.aarch64.neon.sdot.v4i32.v16i8"),
-                C.vload([0], dtype="int32x4"), vec_a, B.vload([0, 0], dtype="int8x16"),
-                dtype="int32x4")
-
-    TensorIntrin.register(SDOT, desc, impl)
-    return SDOT
+    return register()
 
 
 RULES = [x86.DataMovement(), Elementwise(), Sdot(), VectorMath()]

@@ -41,8 +41,7 @@ from .x86 import SERIAL_BYTES
 
 TILE_BYTES = 64 << 10    # softmax rows computed together: their source stays in L2 between passes
 SPATIAL, REDUCE = 0, 2   # IterVar types
-# softmax's stages before dst, in order, each with the buffer it walks
-STAGES = {"max": "src", "exp": "src", "sum": "exp", "norm": "sum"}
+STAGES = ("max", "exp", "sum", "norm")   # softmax's stages before dst, in order
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
@@ -53,7 +52,7 @@ class Softmax:
     def apply(self, func, target):
         if op_of(func) not in self.ops:
             return None
-        sch = s_tir.Schedule(func)
+        sch = s_tir.Schedule(_store_padding_back(func))
         try:
             return sch if _softmax(sch, vector_lanes(target, "float32")) else None
         except s_tir.ScheduleError:
@@ -66,7 +65,7 @@ class Pool:
     def apply(self, func, target):
         if op_of(func) not in self.ops:
             return None
-        sch = s_tir.Schedule(func)
+        sch = s_tir.Schedule(_store_padding_back(func))
         try:
             return sch if _pool(sch, vector_lanes(target, "float32")) else None
         except s_tir.ScheduleError:
@@ -75,6 +74,9 @@ class Pool:
 
 def _softmax(sch, lanes) -> bool:
     dst = sch.get_sblock("dst")
+    if not any(r.source.name == "exp" for r in sch.get(dst).reads):
+        sch.compute_inline(sch.get_sblock("exp"))   # log-softmax: the sum is its only reader
+    stages = [name for name in STAGES if _has_block(sch, name)]
     loops = sch.get_loops(dst)
     extents = [int(sch.get(l).extent) for l in loops]
     row_vars = _vars(r.min for r in _read_of(sch, dst, "norm").region)
@@ -97,7 +99,7 @@ def _softmax(sch, lanes) -> bool:
     rf = {}   # reduction stage -> its partial results per lane, when vectors run along the axis
     for name in ("max", "sum"):
         block = sch.get_sblock(name)
-        strides = _strides(sch, block, STAGES[name])
+        strides = _strides(sch, block)
         contiguous = min(range(len(strides)), key=lambda i: strides[i])
         loop = sch.get_loops(block)[contiguous]
         extent = int(sch.get(loop).extent)
@@ -109,23 +111,21 @@ def _softmax(sch, lanes) -> bool:
             rf[name] = sch.rfactor(loop, rank)   # lanes innermost
     sch.reorder(*outer, *(l for i, l in enumerate(loops) if i in inner))
     outer = _parallel(sch, outer)
-    for name in reversed(STAGES):
+    for name in reversed(stages):
         sch.compute_at(sch.get_sblock(name), outer)
         if name in rf:
             sch.compute_at(rf[name], outer)
-    for name, walks in STAGES.items():
+    for name in stages:
         block = sch.get_sblock(name)
         if name in rf:
-            _vectorize(sch, rf[name], lanes, walks)
-            partial = sch.get(rf[name]).writes[0].source.name
-            loops = _memory_order(sch, block, partial)   # the lanes' partial results, reduced
+            _vectorize(sch, rf[name], lanes)
+            loops = _memory_order(sch, block)   # the lanes' partial results, reduced
             sch.reorder(*loops)
             sch.unroll(loops[-1])
         else:
-            _vectorize(sch, block, lanes, walks)
-    _vectorize(sch, dst, lanes, "dst")
+            _vectorize(sch, block, lanes)
+    _vectorize(sch, dst, lanes)
     return True
-
 
 def _pool(sch, lanes) -> bool:
     acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
@@ -136,18 +136,18 @@ def _pool(sch, lanes) -> bool:
         outer.append(sch.split(inner, [None, lanes])[0])
     outer = _parallel(sch, outer)
     sch.compute_at(acc, outer)
-    _vectorize(sch, acc, lanes, "src")
-    _vectorize(sch, dst, lanes, "dst")
+    _vectorize(sch, acc, lanes)
+    _vectorize(sch, dst, lanes)
     return True
 
 
-def _vectorize(sch, block, lanes, buffer):
+def _vectorize(sch, block, lanes):
     """Vectorise ``block`` below the kernel's outer loop: its spatial loop of least stride in
-    ``buffer`` goes innermost and is vectorised (split to ``_width`` lanes); the reduction
+    the buffer it walks (``_walked``) goes innermost and is vectorised (split to ``_width`` lanes); the reduction
     loops go right outside it, so that the partial results stay in registers across the
     reduction; the other spatial loops outside those, walking ``buffer`` in memory order.
     Then the reduction's initialisation is split off, vectorised too."""
-    walk = _memory_order(sch, block, buffer)
+    walk = _memory_order(sch, block)
     kinds = _loop_kinds(sch, block, walk)
     spatial = [l for l, k in zip(walk, kinds) if k == SPATIAL]
     reduce = [l for l, k in zip(walk, kinds) if k == REDUCE]
@@ -165,11 +165,11 @@ def _vectorize(sch, block, lanes, buffer):
             sch.vectorize(sch.get_loops(init)[-1])
 
 
-def _memory_order(sch, block, buffer) -> list:
-    """The loops of ``block`` under the kernel's outer loop, by decreasing stride in ``buffer``
-    (see ``_strides``): the order that walks it in memory order."""
+def _memory_order(sch, block) -> list:
+    """The loops of ``block`` under the kernel's outer loop, by decreasing stride in the buffer
+    it walks (see ``_strides``): the order that walks it in memory order."""
     loops = sch.get_loops(block)[1:]
-    strides = _strides(sch, block, buffer)[1:]
+    strides = _strides(sch, block)[1:]
     return [loops[i] for i in sorted(range(len(loops)), key=lambda i: -strides[i])]
 
 
@@ -192,14 +192,51 @@ def _parallel(sch, loops):
     return loop
 
 
-def _strides(sch, block, buffer) -> list:
-    """Elements of ``buffer`` (or, when ``block`` does not access it, of the block's output)
-    between two steps of each loop of ``block``; ``math.inf`` for a loop that does not walk it
-    (a step of 0, a single iteration) or whose step is not constant."""
+def _store_padding_back(func):
+    """``func`` with the ``valid`` plan's predicate on block ``dst`` (store only where the
+    destination is not padding) turned into a store everywhere of ``Select(predicate, value,
+    old value)``: the padding gets its own bits back, untouched as the plan promises. No loop
+    transformation accepts the predicated block (its binding is not affine), and a vector loop
+    whose lanes disagree on it is not vectorised; the Select is a blend, and its load hits the
+    cache line the store fetches anyway."""
+    def rewrite(realize):
+        block, pred = realize.block, realize.predicate
+        if block.name_hint != "dst" or isinstance(pred, tirx.IntImm):
+            return realize
+        store = block.body
+        # unscheduled TE: the block binds one loop var per iter var
+        cond = _substitute(pred, {v: iv.var for v, iv in zip(realize.iter_values,
+                                                              block.iter_vars)})
+        old = tirx.BufferLoad(store.buffer, list(store.indices))
+        body = tirx.BufferStore(store.buffer, tirx.Select(cond, store.value, old),
+                                list(store.indices))
+        # the block still declares no read of dst: each element reads back only the element it
+        # writes, and a declared read would make the block neither complete nor parallel
+        block = s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body,
+                             block.init, block.alloc_buffers, block.match_buffers,
+                             block.annotations)
+        return s_tir.SBlockRealize(realize.iter_values, tirx.const(True, "bool"), block)
+
+    return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, rewrite))
+
+
+def _walked(sch, block):
+    """The access a block is scheduled to walk in memory order: a spatial block's output (its
+    stores stay contiguous), a reduction's largest input."""
+    out = sch.get(block).writes[0]
+    if not any(int(iv.iter_type) == REDUCE for iv in sch.get(block).iter_vars):
+        return out
+    inputs = [r for r in sch.get(block).reads if not r.source.same_as(out.source)]
+    return max(inputs, key=lambda r: math.prod(int(n) for n in r.source.shape))
+
+
+def _strides(sch, block) -> list:
+    """Elements of the buffer ``block`` walks (``_walked``) between two steps of each of its
+    loops; ``math.inf`` for a loop that does not walk it (a step of 0, a single iteration) or
+    whose step is not constant."""
     realize = _realize(sch, block)
     bind = {iv.var: v for iv, v in zip(realize.block.iter_vars, realize.iter_values)}
-    accesses = (*sch.get(block).writes, *sch.get(block).reads)
-    region = next((r for r in accesses if r.source.name == buffer), accesses[0])
+    region = _walked(sch, block)
     buf = region.source
     strides = list(buf.strides) or [math.prod(int(n) for n in buf.shape[i + 1:])
                                     for i in range(len(buf.shape))]

@@ -103,8 +103,10 @@ def conv_ref(x, w, stride=(1, 1), pad=(0, 0), dilation=(1, 1), groups=1):
     out = np.zeros((n, g, kg, oh, ow))
     for i in range(kh):
         for j in range(kw):
-            patch = xp[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]
-            out += np.einsum("ngchw,gkc->ngkhw", patch.reshape(n, g, cg, oh, ow), w[:, :, :, i, j])
+            rows = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)
+            cols = slice(j * dw, j * dw + sw * (ow - 1) + 1, sw)
+            patch = xp[:, :, rows, cols].reshape(n, g, cg, oh, ow)
+            out += np.einsum("ngchw,gkc->ngkhw", patch, w[:, :, :, i, j])
     return out.reshape(n, g * kg, oh, ow)
 
 
@@ -115,8 +117,8 @@ ELTWISE = {"relu": lambda x, a, b: np.where(x > 0, x, a * x), "sigmoid": lambda 
 def reference(entry, arrays: dict):
     """The kernel's result in float64 from its named input arrays."""
     if entry["op"] == "conv2d":
-        acc = conv_ref(arrays["src"], arrays["weights"], entry.get("stride", (1, 1)),
-                       entry.get("pad", (0, 0)), entry.get("dilation", (1, 1)), entry.get("groups", 1))
+        acc = conv_ref(arrays["src"], arrays["weights"], *(entry.get(k, d) for k, d in (
+            ("stride", (1, 1)), ("pad", (0, 0)), ("dilation", (1, 1)), ("groups", 1))))
         channel = (slice(None), None, None)
     else:
         acc = arrays["src"].astype(np.float64) @ arrays["weights"].astype(np.float64)
@@ -161,7 +163,10 @@ def test_matches_numpy_and_keeps_the_padding_contract(libs, policy, case, rng):
     mems = []
     for name, _, lay, _ in kernel.signature.args[:-1]:
         mem = bp.Memory.from_numpy(arrays[name], lay)
-        if policy == "src":   # consumers must not trust source padding: fill it with NaN
+        if policy == "src":
+            # consumers must not trust source padding: NaN there. A kernel that reduces over
+            # padded blocks asks for a source stage (contract src_stage), which the runtime
+            # runs in place before the call (runtime.padding.before_call); the others mask.
             mem.buffer[lay.padding_offsets()] = garbage(1, lay.dtype)[0]
             mem.state = "dirty"
         mems.append(mem)
@@ -194,9 +199,10 @@ def test_staged_kernel_leaves_padding_to_its_zero_pad_stage(libs, rng):
              kernel.signature.args[:-1]]
     lay = kernel.signature.args[-1][2]
     buf = garbage(lay.alloc_len, lay.dtype)
-    kernel.run_raw([*views, bp.Memory.from_buffer(buf, lay).physical_view()])
+    dst = bp.Memory.from_buffer(buf, lay).physical_view()
+    kernel.run_raw([*views, dst])
     assert np.all(np.isnan(buf[lay.padding_offsets()]))
-    lib[kernel.signature.padding["dst_stage"]].run_raw([bp.Memory.from_buffer(buf, lay).physical_view()])
+    lib[kernel.signature.padding["dst_stage"]].run_raw([dst])
     assert np.all(buf[lay.padding_offsets()] == 0)
 
 

@@ -4,10 +4,11 @@ The weights are logically ``(K, N)`` (matmul's ``wei[k, n]``); oneDNN's inner-pr
 ``(N, K)`` (``oi``) are the same tensor in layout ``ba``, and packed weights are any blocked
 layout of the ``ab`` family: ``BA16a16b`` (N-blocks of K x 16 panels, 16 output columns
 contiguous: the one the x86 micro-kernel streams), ``AB16b16a``, ``BA16b4a`` (VNNI-style: 4 k
-innermost for each of 16 columns), .... Element types as in conv2d (``postops.types``): float32 (float64, float16),
-or ``uint8``/``int8`` x ``int8`` accumulated in int32, then ``dst = scale[n] * acc`` (+
-post-ops) in float32. The reduction runs over the K that both the source and the weights pad to
-(whole blocks), relying on zero padding there, so it reads source padding.
+innermost for each of 16 columns), .... Element types as in conv2d (``postops.types``):
+float32 (float64, float16), or ``uint8``/``int8`` x ``int8`` accumulated in int32, then
+``dst = scale[n] * acc`` (+ post-ops) in float32. The reduction runs over the K that both the
+source and the weights pad to (whole blocks), relying on zero padding there, so it reads source
+padding.
 """
 
 from __future__ import annotations

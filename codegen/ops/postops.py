@@ -1,6 +1,6 @@
 """Post-ops of convolution and matmul, oneDNN's post-op chain, fused into the kernel's epilogue:
 
-    post_ops = [{kind = "bias"}, {kind = "eltwise", algorithm = "relu"}, {kind = "sum", scale = 1.0}]
+    post_ops = [{kind = "bias"}, {kind = "eltwise", algorithm = "relu"}, {kind = "sum"}]
 
 applied in the order given to the reduced value ``v`` at destination element ``idx``:
 
@@ -10,11 +10,11 @@ applied in the order given to the reduced value ``v`` at destination element ``i
   out like dst: same padded dims and halo (oneDNN's sum reads the destination's own memory).
 
 The chain runs in the accumulator's type: the source's for float32 and float64, float32 for
-float16 (cast to the destination's at the store). Integer kernels (uint8/int8 x
-int8 -> int32) start the chain with the per-channel output scale, v = scale[k] * float(acc)
-(oneDNN's output scales), so their destination, bias and sum are float32. Bias and sum have the
-destination's dtype. Tensors come as kernel arguments in the fixed order scale, bias, sum, whatever the
-order of the chain; each kind that reads a tensor may appear once.
+float16 (cast to the destination's at the store). Integer kernels (uint8/int8 x int8 -> int32)
+start it with the per-channel output scale, v = scale[k] * float(acc) (oneDNN's output scales),
+so their destination is float32. Bias and sum have the destination's dtype. The tensors come as
+kernel arguments in the fixed order scale, bias, sum, whatever the order of the chain; each
+kind that reads a tensor may appear once.
 
 Per-channel tensors (scale, bias) are read through a copy extended over the destination's
 padded channels, which repeat the last channel's value. So the epilogue reads them with no
@@ -36,8 +36,8 @@ from . import eltwise
 from .common import Source, dtype_of
 
 INTEGER = ("int8", "uint8")
-# floating sources: float16 accumulates in float32. (bfloat16 would need the framework's bit
-# storage (uint16 buffers, as reorders move it) in compute ops: eltwise lacks it too.)
+# floating sources and their accumulators; bfloat16 would need the bit storage (uint16 buffers)
+# that reorders use, in compute ops, which no op has yet
 ACCUMULATOR = {"float32": "float32", "float64": "float64", "float16": "float32"}
 KINDS = {"bias": {}, "eltwise": dict(eltwise.PARAMS), "sum": {"scale": 1.0}}
 CHANNEL = 1   # the output-channel dim of the destination's logical index (n k h w; m n)
@@ -72,7 +72,7 @@ def check(post_ops) -> list[dict]:
             raise SpecError(f"post_ops[{i}]: at most one {kind!r} post-op (it names a tensor)")
         out.append({"kind": kind, **KINDS[kind], **p})
         if kind == "eltwise":
-            eltwise.apply(out[-1]["algorithm"], tirx.Var("x", "float32"))  # unknown names
+            eltwise.apply(out[-1]["algorithm"], tirx.Var("x", "float32"))  # rejects unknown ones
     return out
 
 
