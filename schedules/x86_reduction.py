@@ -146,7 +146,8 @@ def _vectorize(sch, block, lanes):
     the buffer it walks (``_walked``) goes innermost and is vectorised (split to ``_width`` lanes); the reduction
     loops go right outside it, so that the partial results stay in registers across the
     reduction; the other spatial loops outside those, walking ``buffer`` in memory order.
-    Then the reduction's initialisation is split off, vectorised too."""
+    Then the reduction's initialisation is split off, vectorised too, and the loops are
+    partitioned where the vectors' Selects become uniform (``_partition_selects``)."""
     walk = _memory_order(sch, block)
     kinds = _loop_kinds(sch, block, walk)
     spatial = [l for l, k in zip(walk, kinds) if k == SPATIAL]
@@ -163,6 +164,7 @@ def _vectorize(sch, block, lanes):
         init = sch.decompose_reduction(block, reduce[0])
         if spatial:
             sch.vectorize(sch.get_loops(init)[-1])
+    _partition_selects(sch, block)
 
 
 def _memory_order(sch, block) -> list:
@@ -218,6 +220,44 @@ def _store_padding_back(func):
         return s_tir.SBlockRealize(realize.iter_values, tirx.const(True, "bool"), block)
 
     return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, rewrite))
+
+
+def _partition_selects(sch, block):
+    """Split the first loop of ``block`` along which the Selects that differ between vector
+    lanes become uniform (the last, partial channel block): source guards ``Select(c < C, x,
+    -inf)``, the zero store ``Select(is_padding, 0, value)`` and the padding
+    ``_store_padding_back`` keeps. In the first piece the simplifier folds them away; they
+    remain in the tail only (a blend per vector, and LLVM turns the kept padding's Select into
+    a masked store, slow on AMD)."""
+    loops = sch.get_loops(block)
+    ranges = {sch.get(l).loop_var: (int(sch.get(l).min), int(sch.get(l).extent)) for l in loops}
+    lane = sch.get(loops[-1]).loop_var
+    realize = _realize(sch, block)
+    bind = {iv.var: v for iv, v in zip(realize.block.iter_vars, realize.iter_values)}
+    selects = []
+    tvm_ffi.structural_walk(sch.get(block).body, (tirx.Select, selects.append))
+    conds = [c for c in (_substitute(s.condition, bind) for s in selects)
+             if any(v.same_as(lane) for v in _vars([c]))]
+    if not conds:
+        return
+    for loop, var in list(zip(loops, ranges))[1:]:   # not the kernel's outer (parallel) loop
+        start, extent = ranges[var]
+        uniform = 0
+        while uniform < extent and all(_uniform(c, {**ranges, var: (start, uniform + 1)})
+                                       for c in conds):
+            uniform += 1
+        if 0 < uniform < extent:
+            sch.loop_partition(loop, [uniform])
+            return
+
+
+def _uniform(cond, ranges) -> bool:
+    """``cond`` is provably true, or provably false, over the loop vars in ``ranges`` (var ->
+    (min, extent)). A fresh analyzer per query: a rebound var does not reset its proof cache."""
+    ana = Analyzer()
+    for var, (start, extent) in ranges.items():
+        ana.bind(var, tvm.ir.Range.from_min_extent(start, extent))
+    return ana.can_prove(cond) or ana.can_prove(tirx.Not(cond))
 
 
 def _walked(sch, block):

@@ -6,13 +6,13 @@
     norm[j]   = 1 / sum[j]                         log: max[j] + log(sum[j])
     dst[j, c] = exp[j, c] * norm[j]                log: x[j, c] - norm[j]
 
-Padding never enters the max nor the sum (exp(0) = 1 would): the max reads channels past the
-logical extent as -inf, and ``exp`` is a stage of the kernel laid out like the source whose
-padding is exactly 0 (exp(-inf)), so the sum runs over whole blocks without a tail. Source
-padding is never read: any policy may leave it dirty. ``exp`` is kept rather than recomputed
-for the store (one exp per element, the kernel's main cost), and since its padding is zero,
-softmax keeps destination padding zero by its own arithmetic (``propagates_zero`` derives it;
-log-softmax, x - norm, does not).
+Padding never enters the max nor the sum (exp(0) = 1 would): the source is read as -inf past
+its logical extent, so ``exp``, a stage of the kernel laid out like the source, is exactly 0 in
+its padding and the sum runs over whole blocks without a tail. Source padding is never read:
+any policy may leave it dirty. ``exp`` is kept rather than recomputed for the store (one exp
+per element, the kernel's main cost), and since its padding is zero, softmax keeps destination
+padding zero by its own arithmetic (``propagates_zero`` derives it; log-softmax, -inf - norm
+there, gets the zero store).
 
 The statistics and ``exp`` are stages over logical indices (``Stage``), read like sources;
 ``materialize`` stores the last line under the padding plan."""
@@ -64,7 +64,8 @@ def make(layouts, name, policy, axis=1, log=False):
         sm = over_axis("sum", te.sum, lambda i: e(*i))
         norm = Stage("norm", x, rows, (lambda *j: mx(*j) + tirx.log(sm(*j))) if log else
                      (lambda *j: tirx.const(1, "float32") / sm(*j)), row_axis=axis)
-        value = (lambda *i: x(*i) - norm(*i)) if log else (lambda *i: e(*i) * norm(*i))
+        value = (lambda *i: x(*i, pad=-math.inf) - norm(*i)) if log else \
+            (lambda *i: e(*i) * norm(*i))
         return OpDef("softmax", [x], value, params={"axis": axis, "log": bool(log)})
 
     p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=False)
