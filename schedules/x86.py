@@ -33,9 +33,10 @@ import math
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
-from tvm.sym.analyzer import Analyzer
 
 from .common import op_of, vector_lanes
+from .generic import root_blocks
+from .nest import Nest, uses
 
 TILE_BYTES = 8 << 10     # a tile (source-contiguous loop x destination's innermost) this small
                          # is taken whole: the walk stays the plain one, streams stay long
@@ -44,9 +45,6 @@ TILE_ROWS = 16           # else: this many steps of the source-contiguous loop (
 LINE_BYTES = 64          # a destination row up to a cache line is written whole per step
 TASK_ELEMS = 4096        # parallel tasks at least this many elements...
 SERIAL_BYTES = 128 << 10  # ...and no threads at all below this many bytes (measured crossover)
-MAX_PROFILE = 1 << 13    # analyzer queries allowed to find where one loop's padding changes
-
-_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
 
 class DataMovement:
@@ -60,7 +58,7 @@ class DataMovement:
             return None
         sch = s_tir.Schedule(func)
         try:
-            for block in _root_blocks(sch):
+            for block in root_blocks(sch):
                 if _Nest(sch, block).offset is None:
                     _fill(sch, block, target)
                 else:
@@ -68,7 +66,7 @@ class DataMovement:
         except s_tir.ScheduleError:
             # a nest this rule did not foresee: the plain schedule is slower, but always valid
             sch = s_tir.Schedule(func)
-            for block in _root_blocks(sch):
+            for block in root_blocks(sch):
                 _fill(sch, block, target)
         return sch
 
@@ -149,7 +147,7 @@ def _partition(sch, block, first, stop, to_top):
         return [block]
     for i in range(first, stop):
         if nest.extents[i] == 1 or nest.kinds[i] != 0 \
-                or not any(_uses(c, nest.vars[i]) for c in conds):
+                or not any(uses(c, nest.vars[i]) for c in conds):
             continue
         segments = nest.segments(i, conds)
         if len(segments) < 2:
@@ -186,46 +184,25 @@ def _fill(sch, block, target):
     sch.vectorize(inner)
 
 
-class _Nest:
-    """One block seen from its loops (those ``get_loops`` gives: up to the nearest enclosing
-    block): their vars and ranges, and, rewritten over the loop vars, the padding condition, the
-    block predicate and the source offset."""
+class _Nest(Nest):
+    """The nest of a reorder or zero fill, with its padding condition and source offset
+    rewritten over the loop vars."""
 
     def __init__(self, sch, block):
-        self.loops = sch.get_loops(block)
-        fors = [sch.get(l) for l in self.loops]
-        self.vars = [f.loop_var for f in fors]
-        self.mins = [int(f.min) for f in fors]
-        self.extents = [int(f.extent) for f in fors]
-        self.kinds = [int(f.kind) for f in fors]  # 0: serial
-        realize, body = _realize(sch, block), sch.get(block).body
-        bind = {iv.var: v for iv, v in zip(sch.get(block).iter_vars, realize.iter_values)}
-        self.predicate = realize.predicate
+        super().__init__(sch, block)
         self.pad, self.offset, self.dtype = None, None, None
+        body = self.block.body
         if isinstance(body, tirx.BufferStore):
             self.dtype = str(body.buffer.dtype)
             value = body.value
             if getattr(getattr(value, "op", None), "name", "").endswith("if_then_else"):
-                self.pad = _substitute(value.args[0], bind)
+                self.pad = self.over_loops(value.args[0])
             loads = []
             tvm_ffi.structural_walk(value, (tvm.ir.expr.TensorLoad, loads.append))
             if len(loads) == 1:
                 load = loads[0]
                 offset = sum(i * s for i, s in zip(load.indices, load.source.strides))
-                self.offset = _substitute(offset, bind)
-        # every enclosing loop, also those outside the blocks that wrap partitioned pieces
-        self.analyzer = Analyzer()
-        sref = sch.get_sref(block).parent
-        while sref is not None:
-            if isinstance(sref.stmt, tirx.For):
-                f = sref.stmt
-                self.analyzer.bind(f.loop_var, tvm.ir.Range.from_min_extent(f.min, f.extent))
-            sref = sref.parent
-
-    def at(self, expr, values: dict):
-        """``expr`` with the loop vars at positions ``values`` set to constants."""
-        return _substitute(expr, {self.vars[i]: tirx.const(x, str(self.vars[i].ty.dtype))
-                                  for i, x in values.items()})
+                self.offset = self.over_loops(offset)
 
     def src_stride(self, i) -> int:
         """Source elements between two steps of loop ``i`` (from its first iteration)."""
@@ -240,42 +217,11 @@ class _Nest:
         """What must be uniform across the innermost loop for it to vectorise: the padding
         tests that depend on it, and the block predicate (a split that does not divide)."""
         lane = self.vars[-1]
-        atoms = [a for a in _disjuncts(self.pad) if _uses(a, lane)] if self.pad is not None else []
+        atoms = [a for a in _disjuncts(self.pad) if uses(a, lane)] if self.pad is not None else []
         conds = [functools.reduce(tirx.Or, atoms)] if atoms else []
-        if _uses(self.predicate, lane):
+        if uses(self.predicate, lane):
             conds.append(self.predicate)
         return conds
-
-    def status(self, cond, values=None):
-        """True or False where the analyzer proves ``cond`` so over the loop ranges, else None."""
-        expr = self.at(cond, values) if values else cond
-        if self.analyzer.can_prove(expr):
-            return True
-        if self.analyzer.can_prove(tirx.Not(expr)):
-            return False
-        return None
-
-    def segments(self, i, conds) -> list:
-        """Ranges ``(start, stop)`` (relative to the loop's start) of loop ``i`` along which the
-        conditions take the same value at each lane of the innermost loop."""
-        lane = len(self.loops) - 1
-        lanes = [None] if i == lane else \
-            range(self.mins[lane], self.mins[lane] + self.extents[lane])
-        if self.extents[i] * len(lanes) * len(conds) > MAX_PROFILE:
-            return [(0, self.extents[i])]
-
-        def profile(x):
-            return tuple(self.status(c, {i: x} if u is None else {i: x, lane: u})
-                         for u in lanes for c in conds)
-        out, last = [], None
-        for k in range(self.extents[i]):
-            p = profile(self.mins[i] + k)
-            if out and p == last:
-                out[-1] = (out[-1][0], k + 1)
-            else:
-                out.append((k, k + 1))
-            last = p
-        return out
 
 
 def _disjuncts(cond) -> list:
@@ -284,27 +230,8 @@ def _disjuncts(cond) -> list:
     return [cond]
 
 
-def _uses(expr, var) -> bool:
-    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
-
-
-def _substitute(expr, mapping: dict):
-    """``expr`` with the vars that are keys of ``mapping`` replaced by their values."""
-    return tvm_ffi.structural_map(
-        expr, (tirx.Var, lambda v: next((new for old, new in mapping.items() if v.same_as(old)),
-                                        v)))
-
-
 def _divisor_at_most(n: int, limit: int) -> int:
     return max(k for k in range(1, min(n, limit) + 1) if n % k == 0)
-
-
-def _root_blocks(sch):
-    try:
-        root = sch.get_sblock("root")
-    except Exception:  # noqa: BLE001 - a func without a root block has nothing to schedule
-        return []
-    return sch.get_child_blocks(root)
 
 
 RULES = [DataMovement()]

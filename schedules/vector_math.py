@@ -1,0 +1,96 @@
+"""Transcendental functions as vector polynomials, on every CPU target.
+
+LLVM lowers a vectorised fp32 ``exp``, ``erf`` or ``tanh`` to one libm call per lane (no vector
+math library is linked in: not on AArch64, and on x86 TVM's ``erf`` becomes scalar ``erff``),
+and the whole loop body is scalarised around the calls; a gelu then runs at a fraction of the
+memory bandwidth. oneDNN's JIT and Arm Compute Library evaluate polynomials in vector registers
+instead; TVM has the same ones (topi.fast_exp / fast_erf / fast_tanh: Cephes and Eigen, a few
+ulp in fp32), which replace the calls here. Rules call ``vector_math`` on the func they are
+given; ``VectorMath`` is the rule of last resort for kernels no other rule took.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+from . import generic
+
+
+class VectorMath:
+    """Kernels no other rule took (softmax, pooling, fp32 convolution and matmul with an eltwise
+    post-op) that call exp/erf/tanh/sigmoid: the generic schedule over ``vector_math``'s
+    rewrite. Kernels without such calls are left to ``generic.Fallback`` as they are."""
+
+    def apply(self, func, target):
+        new = vector_math(func)
+        return None if new.same_as(func) else generic.Fallback().apply(new, target)
+
+
+_FAST = {"tirx.exp": "fast_exp", "tirx.erf": "fast_erf", "tirx.tanh": "fast_tanh"}
+_TANH_CLAMP = 9.0   # beyond it tanh is +-1 in fp32 (fast_tanh's rational function is not)
+
+
+def vector_math(func):
+    """``func`` with fp32 exp/erf/tanh/sigmoid calls replaced by polynomial expressions that
+    vectorise (unchanged when it has none)."""
+    found = []
+
+    def visit(call):
+        name = getattr(call.op, "name", "")
+        if (name in _FAST or name == "tirx.sigmoid") and str(call.ty.dtype) == "float32":
+            found.append(call)
+    tvm_ffi.structural_walk(func.body, (tvm.ir.expr.Call, visit))
+    if not found:
+        return func
+
+    def rewrite(call):
+        name = getattr(call.op, "name", "")
+        if str(call.ty.dtype) != "float32":
+            return call
+        x = call.args[0] if call.args else None
+        if name == "tirx.sigmoid":
+            one = tirx.const(1.0, "float32")
+            return one / (one + _fast("fast_exp", -x))
+        if name == "tirx.tanh":
+            return _fast("fast_tanh", tirx.max(tirx.min(x, tirx.const(_TANH_CLAMP, "float32")),
+                                               tirx.const(-_TANH_CLAMP, "float32")))
+        if name == "tirx.exp":
+            return _exp(x)
+        if name in _FAST:
+            return _fast(_FAST[name], x)
+        return call
+    return tvm_ffi.structural_map(func, (tvm.ir.expr.Call, rewrite))
+
+
+def _exp(x):
+    """exp over the whole fp32 range: fast_exp builds 2**n in the exponent bits, so it clamps
+    its input to +-88.376 (n <= 127); beyond, exp(x) = exp(x/2)**2, which overflows to inf
+    past log(FLT_MAX) and underflows gradually, as expf does. One polynomial per element: the
+    repeated subexpressions are one value to LLVM."""
+    big = tirx.abs(x) > tirx.const(88.3762626647949, "float32")
+    half = _fast("fast_exp", x * tirx.Select(big, tirx.const(0.5, "float32"),
+                                             tirx.const(1.0, "float32")))
+    return tirx.Select(big, half * half, half)
+
+
+def _fast(kind, x):
+    """topi's ``kind`` (fast_exp, ...) of expression ``x``. No ``Let`` binds ``x``: loop
+    partitioning copies a body, and the simplifier refuses one Let var bound to two values."""
+    return tvm_ffi.structural_map(
+        _template(kind), (tvm.ir.expr.Call,
+                          lambda c: x if getattr(c.op, "name", "") == "te.tensor_load" else c))
+
+
+_templates = {}
+
+
+def _template(kind):
+    """topi's fp32 expression for ``kind`` over the element of a placeholder."""
+    if kind not in _templates:
+        from tvm import te, topi
+
+        a = te.placeholder((1,), "float32", "a")
+        _templates[kind] = getattr(topi, kind)(a).op.body[0]
+    return _templates[kind]
