@@ -206,7 +206,7 @@ class Layout:
                 out.append(PhysicalDim(d, letter.upper() if block > 1 else letter, size, 0, block))
         return tuple(out)
 
-    @property
+    @functools.cached_property
     def physical_shape(self) -> tuple:
         return tuple(p.size for p in self.physical)
 

@@ -225,8 +225,9 @@ def _as_memory(value, kernel, name, role, layout: Layout, storage) -> Memory:
 
 def _kernel_view(mem: Memory, spec) -> np.ndarray:
     """The strided physical view of ``mem`` the compiled kernel checks for."""
-    buf = mem.buffer if mem.buffer.flags.writeable else _readable_alias(mem.buffer)
-    return physical_view(buf, mem.layout, spec[3])
+    if mem.buffer.flags.writeable:
+        return mem.physical_view(spec[3])
+    return physical_view(_readable_alias(mem.buffer), mem.layout, spec[3])
 
 
 def _readable_alias(array: np.ndarray) -> np.ndarray:

@@ -245,8 +245,16 @@ class Memory:
         return self.buffer[self.layout.logical_offsets()]
 
     def physical_view(self, storage=None) -> np.ndarray:
-        """The buffer seen as the layout's physical dims and strides, as kernels take it."""
-        return physical_view(self.buffer, self.layout, storage)
+        """The buffer seen as the layout's physical dims and strides, as kernels take it. Kept
+        while the buffer stays the same: making it costs more than a small kernel's run."""
+        buf = self.buffer
+        cached = self.__dict__.get("_views")
+        if cached is None or cached[0] is not buf:
+            cached = self._views = (buf, {})
+        view = cached[1].get(storage)
+        if view is None:
+            view = cached[1][storage] = physical_view(buf, self.layout, storage)
+        return view
 
     def padding_is_zero(self) -> bool:
         pad = self.buffer[self.layout.padding_offsets()]
