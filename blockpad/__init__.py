@@ -8,8 +8,8 @@ holds (the JIT, ``blockpad.jit``, registered here as the default cache's compile
 from .errors import (ArgumentError, BlockpadError, BuildError, LayoutError, LoadError,
                      MissingCPUFeatureError, SpecError)
 from .layout import Layout
-from .runtime import (Graph, KernelCache, KernelNotFound, Library, Memory, Report, SubMemoryError,
-                      load)
+from .runtime import (Event, Graph, KernelCache, KernelNotFound, Library, Memory, Report, Stream,
+                      SubMemoryError, load)
 from .runtime import cache as _cache
 from . import jit as _jit
 
@@ -17,10 +17,10 @@ _cache.set_default_compiler(_jit.compile_kernels)
 
 __version__ = "0.1.0"
 
-__all__ = ["ArgumentError", "BlockpadError", "BuildError", "Graph", "KernelCache",
+__all__ = ["ArgumentError", "BlockpadError", "BuildError", "Event", "Graph", "KernelCache",
            "KernelNotFound", "Layout", "LayoutError", "Library", "LoadError", "Memory",
-           "MissingCPUFeatureError", "Report", "SpecError", "SubMemoryError", "build", "jit_cache",
-           "load"]
+           "MissingCPUFeatureError", "Report", "SpecError", "Stream", "SubMemoryError", "build",
+           "jit_cache", "load"]
 
 
 def jit_cache(libraries=(), cache_dir=None, capacity=None, target="host") -> KernelCache:

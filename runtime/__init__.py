@@ -7,6 +7,7 @@ from .cache import KernelCache, KernelNotFound, Request
 from .graph import Graph, Report, Result, Results, Tensor
 from .library import Library, load
 from .memory import Memory, SubMemoryError
+from .stream import Event, Stream
 
-__all__ = ["Graph", "KernelCache", "KernelNotFound", "Library", "Memory", "Report", "Request",
-           "Result", "Results", "SubMemoryError", "Tensor", "load"]
+__all__ = ["Event", "Graph", "KernelCache", "KernelNotFound", "Library", "Memory", "Report",
+           "Request", "Result", "Results", "Stream", "SubMemoryError", "Tensor", "load"]

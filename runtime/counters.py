@@ -1,8 +1,13 @@
 """Zero-pad accounting: every zero-pad the runtime runs, whatever the policy, is counted here,
-so the policies' costs are measured rather than argued (seed 000, Appendix A)."""
+so the policies' costs are measured rather than argued (seed 000, Appendix A).
+
+The totals are process-wide. A ``scope`` counts only what its own thread runs, and what that
+thread queues on a stream, so that two graphs run at once on two threads each get an exact
+report."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import asdict, dataclass
 
@@ -20,14 +25,47 @@ class ZeroPadStats:
 
 _stats = ZeroPadStats()
 _lock = threading.Lock()
+_local = threading.local()   # .scopes: the stats of the scopes open on this thread
 
 
 def record(nbytes: int, seconds: float, blocking: bool) -> None:
     with _lock:
-        _stats.calls += 1
-        _stats.bytes += nbytes
-        _stats.seconds += seconds
-        _stats.blocking_calls += int(blocking)
+        for stats in (_stats, *_scopes()):
+            stats.calls += 1
+            stats.bytes += nbytes
+            stats.seconds += seconds
+            stats.blocking_calls += int(blocking)
+
+
+@contextlib.contextmanager
+def scope():
+    """``with scope() as stats:`` counts in ``stats`` the zero-pads this thread runs inside the
+    block, and those of the stream work it submits there."""
+    stats = ZeroPadStats()
+    outer = _scopes()
+    _local.scopes = (*outer, stats)
+    try:
+        yield stats
+    finally:
+        _local.scopes = outer
+
+
+def carry(fn):
+    """``fn`` wrapped to count, on whichever thread runs it, in the scopes open here now."""
+    scopes = _scopes()
+
+    def run(*args):
+        saved = _scopes()
+        _local.scopes = scopes
+        try:
+            return fn(*args)
+        finally:
+            _local.scopes = saved
+    return run
+
+
+def _scopes() -> tuple:
+    return getattr(_local, "scopes", ())
 
 
 def snapshot() -> ZeroPadStats:

@@ -880,20 +880,19 @@ class Plan:
         g = self.graph
         report = Report(self.policy)
         start = time.perf_counter()
-        zp0 = counters.snapshot()
-        g._refresh_weights(report)
-        weights = {}
-        for cname, buf in self.weight_bufs:
-            weights[buf.id] = g._prepare_weight(cname, buf.layout, report)
-        exe = self._acquire()
-        try:
-            outs = exe.run(given, weights, report)
-        finally:
-            self._release(exe)
-        zp = counters.snapshot()
-        report.zero_pad_calls = zp.calls - zp0.calls
-        report.zero_pad_bytes = zp.bytes - zp0.bytes
-        report.zero_pad_blocking = zp.blocking_calls - zp0.blocking_calls
+        with counters.scope() as zp:
+            g._refresh_weights(report)
+            weights = {}
+            for cname, buf in self.weight_bufs:
+                weights[buf.id] = g._prepare_weight(cname, buf.layout, report)
+            exe = self._acquire()
+            try:
+                outs = exe.run(given, weights, report)
+            finally:
+                self._release(exe)
+        report.zero_pad_calls = zp.calls
+        report.zero_pad_bytes = zp.bytes
+        report.zero_pad_blocking = zp.blocking_calls
         report.seconds = time.perf_counter() - start
         report.ops = len(g.nodes)
         report.inplace = [s.label for s in self.steps if s.inplace]

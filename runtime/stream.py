@@ -7,6 +7,8 @@ from __future__ import annotations
 import queue
 import threading
 
+from . import counters
+
 
 class Event:
     """Completion of one piece of work submitted to a stream."""
@@ -43,7 +45,7 @@ class Stream:
     def submit(self, fn, *args) -> Event:
         event = Event()
         self._last = event
-        self._queue.put((fn, args, event))
+        self._queue.put((counters.carry(fn), args, event))
         return event
 
     def wait(self) -> None:

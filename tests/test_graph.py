@@ -472,6 +472,7 @@ def test_threads_share_one_graph_library_and_cache(cache, rng):
     pairs = [(arr(np.random.default_rng(10 + i), S), arr(np.random.default_rng(20 + i), S))
              for i in range(4)]
     g.run(x=inputs[0])
+    zero_pads = g.run(x=inputs[0]).report.zero_pad_calls   # what one run does, alone
     errors = []
 
     def work(i):
@@ -479,6 +480,7 @@ def test_threads_share_one_graph_library_and_cache(cache, rng):
             for _ in range(5):
                 res = g.run(x=inputs[i])
                 assert np.allclose(res["eltwise_1"].numpy(), ref(inputs[i]), atol=1e-5)
+                assert res.report.zero_pad_calls == zero_pads   # not the other threads' too
                 xv, yv = pairs[i]
                 r2 = g2.run(x=bp.Memory.from_numpy(xv, BLK), y=yv)
                 assert np.allclose(r2["eltwise_2"].numpy(), _eltwise_ref(xv, yv), atol=1e-5)
@@ -502,3 +504,17 @@ def test_report_is_printable_and_counts_zero_pads(cache, rng):
         assert word in text
     assert res.report.zero_pad_calls == counters.snapshot().calls > 0
     assert res.report.zero_pad_bytes > 0
+
+
+def test_counter_scopes_see_their_own_thread_and_its_streams(rng):
+    lay = bp.Layout("nChw16c", (1, 30, 2, 2))
+    mems = [bp.Memory.zeros(lay) for _ in range(3)]
+    stream, other = bp.Stream("scoped"), threading.Thread(target=mems[2].cleanup)
+    with counters.scope() as outer:
+        mems[0].cleanup()
+        with counters.scope() as inner:
+            stream.submit(mems[1].cleanup).wait()   # on the stream's worker, for this scope
+        other.start()
+        other.join()                                 # another thread: in neither scope
+    assert (outer.calls, inner.calls) == (2, 1)
+    assert inner.bytes == 2 * 2 * 2 * 4 and outer.bytes == 2 * inner.bytes
