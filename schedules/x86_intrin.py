@@ -1,10 +1,12 @@
 """Tensor intrinsics blockpad needs on x86 and TVM 0.27 lacks or gets wrong (tvm027.md §2-3):
 
 * ``vnni_16x4``: ``C[16] i32 += A[4] u8 . B[16, 4] i8`` with ``vpdpbusd`` (TVM's own fails LLVM
-  22 verification: the intrinsic's operand types changed);
-* ``amx_u8s8s32_16x16x64`` / ``amx_bf16_16x16x32``: one AMX tile multiply (``tdpbusd``,
-  ``tdpbf16ps``) and ``amx_cfg_zero_16x16*``, which loads the tile configuration and zeroes the
-  accumulator tile. Tile configuration is per thread, so it lives in the tensorized init block,
+  22 verification: the intrinsic's operand types changed), and ``vnni_s8s8_16x4``, the same
+  for s8 sources (blockpad's int8 ops take s8 x s8), exact through a shift and a compensation;
+* every buffer aligned to its element only: blockpad's kernel parameters promise no more;
+* ``amx_u8s8s32_16x16x64`` / ``amx_s8s8s32_16x16x64`` / ``amx_bf16f32_16x16x32``: one AMX
+  tile multiply (``tdpbusd``, ``tdpbssd``, ``tdpbf16ps``) and ``amx_cfg_zero_*``, which loads
+  the tile configuration and zeroes the accumulator tile. Tile configuration is per thread, so it lives in the tensorized init block,
   which runs on the same pool thread as the updates that follow it.
 
 Each intrinsic also has a ``*_ref`` implementation: plain loops with the same description,
@@ -23,109 +25,134 @@ from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
 # ---- VNNI ----------------------------------------------------------------------------------
+# Every description and implementation is made for an accumulator ``C`` in a given storage
+# scope: tensorize matches scopes, and blockpad's rules keep accumulators in ``local`` tiles
+# (registers, or the stack for AMX) while a plain schedule accumulates in ``global`` memory.
 
 
-@T.prim_func(s_tir=True)
-def _vnni_desc(A: T.Buffer((4,), "uint8", offset_factor=1),
-               B: T.Buffer((16, 4), "int8", offset_factor=1),
-               C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
-    with T.sblock("root"):
-        T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-        T.writes(C[0:16])
-        for i in T.serial(0, 16):
-            for k in T.serial(0, 4):
-                with T.sblock("update"):
-                    vi, vk = T.axis.remap("SR", [i, k])
-                    C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
+def _vnni_desc(src, scope):
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
+        B = T.match_buffer(b, (16, 4), "int8", offset_factor=1, align=1)
+        C = T.match_buffer(c, (16,), "int32", offset_factor=1, align=1, scope=scope)
+        with T.sblock("root"):
+            T.reads(C[0:16], A[0:4], B[0:16, 0:4])
+            T.writes(C[0:16])
+            for i in T.serial(0, 16):
+                for k in T.serial(0, 4):
+                    with T.sblock("update"):
+                        vi, vk = T.axis.remap("SR", [i, k])
+                        C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
+    return desc
 
 
-@T.prim_func(s_tir=True)
-def _vnni_impl(A: T.Buffer((4,), "uint8", offset_factor=1),
-               B: T.Buffer((16, 4), "int8", offset_factor=1),
-               C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
-    with T.sblock("root"):
-        T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-        T.writes(C[0:16])
-        a_i32 = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
-        a_u8x64 = T.reinterpret(T.broadcast(a_i32, 16), dtype="uint8x64")
-        C[T.ramp(T.int32(0), 1, 16)] = T.call_llvm_pure_intrin(
-            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
-            C.vload([0], dtype="int32x16"), a_u8x64, B.vload([0, 0], dtype="int8x64"),
-            dtype="int32x16")
+def _vnni_impl(src, scope):
+    """``vpdpbusd`` is u8 x s8. An s8 source goes through ``a . b = (a + 128) . b - 128 *
+    sum(b)``: ``a ^ 0x80`` is ``a + 128`` as u8, and the compensation ``128 * sum(b)`` is a
+    second ``vpdpbusd`` of a broadcast 128 by the same weights. It depends on the weights only,
+    so LLVM computes it once for all the rows of a register tile that share them. Exact in
+    int32: each 4-product sum fits, and the sums wrap modulo 2**32 as numpy's int32 sums do."""
+    signed = src == "int8"
+    flip = -2139062144   # 0x80808080: + 128 in each byte
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
+        B = T.match_buffer(b, (16, 4), "int8", offset_factor=1, align=1)
+        C = T.match_buffer(c, (16,), "int32", offset_factor=1, align=1, scope=scope)
+        with T.sblock("root"):
+            T.reads(C[0:16], A[0:4], B[0:16, 0:4])
+            T.writes(C[0:16])
+            # no named temporaries: TVM 0.27 gives each one a memory slot of its own
+            if signed:
+                C[T.ramp(T.int32(0), 1, 16)] = T.call_llvm_pure_intrin(
+                    T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
+                    C.vload([0], dtype="int32x16"),
+                    T.reinterpret(T.broadcast(T.bitwise_xor(
+                        T.reinterpret(A.vload([0], "int8x4"), dtype="int32"), T.int32(flip)), 16),
+                        dtype="uint8x64"),
+                    B.vload([0, 0], dtype="int8x64"), dtype="int32x16") - T.call_llvm_pure_intrin(
+                    T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
+                    T.broadcast(T.int32(0), 16),
+                    T.reinterpret(T.broadcast(T.int32(flip), 16), dtype="uint8x64"),
+                    B.vload([0, 0], dtype="int8x64"), dtype="int32x16")
+            else:
+                C[T.ramp(T.int32(0), 1, 16)] = T.call_llvm_pure_intrin(
+                    T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
+                    C.vload([0], dtype="int32x16"),
+                    T.reinterpret(T.broadcast(T.reinterpret(A.vload([0], "uint8x4"),
+                                                            dtype="int32"), 16), dtype="uint8x64"),
+                    B.vload([0, 0], dtype="int8x64"), dtype="int32x16")
+    return impl
 
 
 # ---- AMX -----------------------------------------------------------------------------------
+# One tile multiply: C[16, 16] += A[16, K] . B packed [K/s][16][s] (s = 4 int8, 2 bf16: the
+# "VNNI" layout AMX wants, each tile row 64 bytes). bf16 is stored as uint16 (as blockpad keeps
+# it in every kernel argument: DLPack and numpy have no bfloat16), reinterpreted per element.
 
 
-@T.prim_func(s_tir=True)
-def _amx_u8s8_desc(a: T.handle, b: T.handle, c: T.handle) -> None:
-    A = T.match_buffer(a, (16, 64), "uint8", offset_factor=1)
-    B = T.match_buffer(b, (16, 16, 4), "int8", offset_factor=1)
-    C = T.match_buffer(c, (16, 16), "int32", offset_factor=1)
-    with T.sblock("root"):
-        T.reads(C[0:16, 0:16], A[0:16, 0:64], B[0:16, 0:16, 0:4])
-        T.writes(C[0:16, 0:16])
-        for i, j, k in T.grid(16, 16, 64):
-            with T.sblock("update"):
-                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-                C[vi, vj] = C[vi, vj] + T.cast(A[vi, vk], "int32") * T.cast(B[vk // 4, vj, vk % 4], "int32")
+def _bf16(x):
+    return T.cast(T.reinterpret(x, dtype="bfloat16"), "float32")
 
 
-@T.prim_func(s_tir=True)
-def _amx_u8s8_impl(a: T.handle, b: T.handle, c: T.handle) -> None:
-    sa = T.int32()
-    sb = T.int32()
-    sc = T.int32()
-    A = T.match_buffer(a, (16, 64), "uint8", offset_factor=1, strides=[sa, 1])
-    B = T.match_buffer(b, (16, 16, 4), "int8", offset_factor=1, strides=[sb, 4, 1])
-    C = T.match_buffer(c, (16, 16), "int32", offset_factor=1, strides=[sc, 1])
-    with T.sblock("root"):
-        T.reads(C[0:16, 0:16], A[0:16, 0:64], B[0:16, 0:16, 0:4])
-        T.writes(C[0:16, 0:16])
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(0), C.access_ptr("r"), T.int64(sc * 4)))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(1), A.access_ptr("r"), T.int64(sa)))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(2), B.access_ptr("r"), T.int64(sb)))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tdpbusd", T.int8(0), T.int8(1), T.int8(2)))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(0), C.access_ptr("w"), T.int64(sc * 4)))
+def _amx_desc(src, scope):
+    acc = "float32" if src == "uint16" else "int32"
+    step = 2 if src == "uint16" else 4
+    kt = 64 // (4 // step)  # reduction steps per tile row of 64 bytes: 64 int8, 32 bf16
+    wei = "uint16" if src == "uint16" else "int8"
+    elem = _bf16 if src == "uint16" else (lambda x: T.cast(x, "int32"))
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (16, kt), src, offset_factor=1, align=1)
+        B = T.match_buffer(b, (16, 16, step), wei, offset_factor=1, align=1)
+        C = T.match_buffer(c, (16, 16), acc, offset_factor=1, align=1, scope=scope)
+        with T.sblock("root"):
+            T.reads(C[0:16, 0:16], A[0:16, 0:kt], B[0:16, 0:16, 0:step])
+            T.writes(C[0:16, 0:16])
+            for i, j, k in T.grid(16, 16, kt):
+                with T.sblock("update"):
+                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                    C[vi, vj] = C[vi, vj] + elem(A[vi, vk]) * elem(B[vk // step, vj, vk % step])
+    return desc
 
 
-@T.prim_func(s_tir=True)
-def _amx_bf16_desc(a: T.handle, b: T.handle, c: T.handle) -> None:
-    A = T.match_buffer(a, (16, 32), "bfloat16", offset_factor=1)
-    B = T.match_buffer(b, (16, 16, 2), "bfloat16", offset_factor=1)
-    C = T.match_buffer(c, (16, 16), "float32", offset_factor=1)
-    with T.sblock("root"):
-        T.reads(C[0:16, 0:16], A[0:16, 0:32], B[0:16, 0:16, 0:2])
-        T.writes(C[0:16, 0:16])
-        for i, j, k in T.grid(16, 16, 32):
-            with T.sblock("update"):
-                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-                C[vi, vj] = C[vi, vj] + T.cast(A[vi, vk], "float32") * T.cast(B[vk // 2, vj, vk % 2], "float32")
+_AMX_INSTR = {"uint8": "llvm.x86.tdpbusd", "int8": "llvm.x86.tdpbssd", "uint16": "llvm.x86.tdpbf16ps"}
 
 
-@T.prim_func(s_tir=True)
-def _amx_bf16_impl(a: T.handle, b: T.handle, c: T.handle) -> None:
-    sa = T.int32()
-    sb = T.int32()
-    sc = T.int32()
-    A = T.match_buffer(a, (16, 32), "bfloat16", offset_factor=1, strides=[sa, 1])
-    B = T.match_buffer(b, (16, 16, 2), "bfloat16", offset_factor=1, strides=[sb, 2, 1])
-    C = T.match_buffer(c, (16, 16), "float32", offset_factor=1, strides=[sc, 1])
-    with T.sblock("root"):
-        T.reads(C[0:16, 0:16], A[0:16, 0:32], B[0:16, 0:16, 0:2])
-        T.writes(C[0:16, 0:16])
-        # access_ptr on bf16 buffers trips LowerAccessPtr (tvm027.md §3): take addresses instead
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(0), T.address_of(C[0, 0]), T.int64(sc * 4)))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(1), T.address_of(A[0, 0]), T.int64(sa * 2)))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(2), T.address_of(B[0, 0, 0]), T.int64(sb * 2)))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tdpbf16ps", T.int8(0), T.int8(1), T.int8(2)))
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(0), T.address_of(C[0, 0]), T.int64(sc * 4)))
+def _amx_impl(src, scope):
+    acc = "float32" if src == "uint16" else "int32"
+    step = 2 if src == "uint16" else 4
+    kt = 64 // (4 // step)
+    wei = "uint16" if src == "uint16" else "int8"
+    size = 2 if src == "uint16" else 1
+    instr = _AMX_INSTR[src]
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
+        sa = T.int32()
+        sb = T.int32()
+        sc = T.int32()
+        A = T.match_buffer(a, (16, kt), src, offset_factor=1, align=1, strides=[sa, 1])
+        B = T.match_buffer(b, (16, 16, step), wei, offset_factor=1, align=1, strides=[sb, step, 1])
+        C = T.match_buffer(c, (16, 16), acc, offset_factor=1, align=1, strides=[sc, 1], scope=scope)
+        with T.sblock("root"):
+            T.reads(C[0:16, 0:16], A[0:16, 0:kt], B[0:16, 0:16, 0:step])
+            T.writes(C[0:16, 0:16])
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(0), C.access_ptr("r"), T.int64(sc * 4)))
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(1), A.access_ptr("r"), T.int64(sa * size)))
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(2), B.access_ptr("r"), T.int64(sb * size)))
+            T.evaluate(T.call_llvm_intrin("void", instr, T.int8(0), T.int8(1), T.int8(2)))
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(0), C.access_ptr("w"), T.int64(sc * 4)))
+    return impl
 
 
-def _zero_desc(dtype):
+def _zero_desc(dtype, scope):
     @T.prim_func(s_tir=True)
     def desc(c: T.handle) -> None:
-        C = T.match_buffer(c, (16, 16), dtype, offset_factor=1)
+        C = T.match_buffer(c, (16, 16), dtype, offset_factor=1, align=1, scope=scope)
         with T.sblock("root"):
             T.reads()
             T.writes(C[0:16, 0:16])
@@ -136,12 +163,12 @@ def _zero_desc(dtype):
     return desc
 
 
-def _amx_cfg_zero_impl(dtype):
+def _amx_cfg_zero_impl(dtype, scope):
     """Load the tile configuration (palette 1, three 16 x 64-byte tiles) and zero tile 0 into C."""
     @T.prim_func(s_tir=True)
     def impl(c: T.handle) -> None:
         sc = T.int32()
-        C = T.match_buffer(c, (16, 16), dtype, offset_factor=1, strides=[sc, 1])
+        C = T.match_buffer(c, (16, 16), dtype, offset_factor=1, align=1, strides=[sc, 1], scope=scope)
         with T.sblock("root"):
             T.reads()
             T.writes(C[0:16, 0:16])
@@ -158,26 +185,39 @@ def _amx_cfg_zero_impl(dtype):
     return impl
 
 
-VNNI = "blockpad_vnni_16x4"
+VNNI = "blockpad_vnni_16x4"                # u8 x s8
+VNNI_S8 = "blockpad_vnni_s8s8_16x4"        # s8 x s8, shifted to u8 and compensated
 AMX_INT8 = "blockpad_amx_u8s8s32_16x16x64"
-AMX_BF16 = "blockpad_amx_bf16f32_16x16x32"
+AMX_S8 = "blockpad_amx_s8s8s32_16x16x64"
+AMX_BF16 = "blockpad_amx_bf16f32_16x16x32"  # bf16 as uint16 storage
 AMX_ZERO_I32 = "blockpad_amx_cfg_zero_i32"
 AMX_ZERO_F32 = "blockpad_amx_cfg_zero_f32"
+SCOPES = ("global", "local")
+
+_MAKERS = {VNNI: (_vnni_desc, _vnni_impl, "uint8"), VNNI_S8: (_vnni_desc, _vnni_impl, "int8"),
+           AMX_INT8: (_amx_desc, _amx_impl, "uint8"), AMX_S8: (_amx_desc, _amx_impl, "int8"),
+           AMX_BF16: (_amx_desc, _amx_impl, "uint16"),
+           AMX_ZERO_I32: (_zero_desc, _amx_cfg_zero_impl, "int32"),
+           AMX_ZERO_F32: (_zero_desc, _amx_cfg_zero_impl, "float32")}
 
 
 @functools.lru_cache(maxsize=1)
 def register() -> None:
-    """Register every intrinsic and its ``_ref`` twin (the description as implementation)."""
-    pairs = {VNNI: (_vnni_desc, _vnni_impl), AMX_INT8: (_amx_u8s8_desc, _amx_u8s8_impl),
-             AMX_BF16: (_amx_bf16_desc, _amx_bf16_impl),
-             AMX_ZERO_I32: (_zero_desc("int32"), _amx_cfg_zero_impl("int32")),
-             AMX_ZERO_F32: (_zero_desc("float32"), _amx_cfg_zero_impl("float32"))}
-    for name, (desc, impl) in pairs.items():
-        TensorIntrin.register(name, desc, impl)
-        TensorIntrin.register(name + "_ref", desc, desc)
+    """Register every intrinsic for each accumulator scope, and its ``_ref`` twin (the
+    description as implementation)."""
+    for base, (desc, impl, dtype) in _MAKERS.items():
+        for scope in SCOPES:
+            d = desc(dtype, scope)
+            TensorIntrin.register(_full(base, scope), d, impl(dtype, scope))
+            TensorIntrin.register(_full(base, scope) + "_ref", d, d)
 
 
-def name(intrin: str, reference: bool) -> str:
-    """``intrin``, or its plain-loop twin for running the same schedule on any CPU."""
+def _full(base: str, scope: str) -> str:
+    return base if scope == "global" else f"{base}_{scope}"
+
+
+def name(intrin: str, reference: bool, scope: str = "global") -> str:
+    """``intrin`` for an accumulator in ``scope``, or its plain-loop twin for running the same
+    schedule on any CPU."""
     register()
-    return intrin + "_ref" if reference else intrin
+    return _full(intrin, scope) + ("_ref" if reference else "")

@@ -40,16 +40,22 @@ def _vnni_schedule(reference):
 
 
 def _amx_schedule(dtype, reference):
-    """AMX int8: A[16, 64] u8 x B packed [K/4][N][4]; bf16: A[16, 32] x B [K/2][N][2]."""
+    """AMX int8: A[16, 64] u8 x B packed [K/4][N][4]; bf16 (uint16 storage): A[16, 32] x B
+    [K/2][N][2]."""
     step = 4 if dtype == "uint8" else 2
     kt = 64 if dtype == "uint8" else 32
     acc = "int32" if dtype == "uint8" else "float32"
-    wdt = "int8" if dtype == "uint8" else "bfloat16"
-    x = te.placeholder((M, K), dtype, name="X")
+    store = "uint8" if dtype == "uint8" else "uint16"   # bf16 kept as its bits
+    wdt = "int8" if dtype == "uint8" else "uint16"
+    x = te.placeholder((M, K), store, name="X")
     w = te.placeholder((K // step, N, step), wdt, name="W")
     k = te.reduce_axis((0, K), "k")
+
+    def elem(v):
+        return v.astype(acc) if dtype == "uint8" else \
+            tvm.tirx.reinterpret("bfloat16", v).astype(acc)
     y = te.compute((M, N), lambda i, j: te.sum(
-        x[i, k].astype(acc) * w[k // step, j, k % step].astype(acc), axis=k), name="Y")
+        elem(x[i, k]) * elem(w[k // step, j, k % step]), axis=k), name="Y")
     sch = tvm.s_tir.Schedule(te.create_prim_func([x, w, y]))
     blk = sch.get_sblock("Y")
     i, j, kk = sch.get_loops(blk)
@@ -122,16 +128,10 @@ def test_amx_bf16_reference_twin_equals_numpy(rng):
     wp = w.T.reshape(K // 2, 2, N).transpose(0, 2, 1).copy()
     lib = tvm.compile(_amx_schedule("bfloat16", True),
                       target=tvm.target.Target({"kind": "llvm", "mcpu": "x86-64-v3"}))
-    y = tvm.runtime.empty((M, N), "float32")
-    lib["main"](_bf16_tensor(x), _bf16_tensor(wp), y)
+    y = np.zeros((M, N), "float32")
+    y = tvm.runtime.tensor(y)   # 64-byte aligned, as the compiled placeholders assume
+    lib["main"](tvm.runtime.tensor(x.view(np.uint16)), tvm.runtime.tensor(wp.view(np.uint16)), y)
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-3, atol=1e-2)
-
-
-def _bf16_tensor(a):
-    """numpy's DLPack does not know ml_dtypes' bfloat16: copy the bits into a TVM tensor."""
-    t = tvm.runtime.empty(a.shape, "bfloat16")
-    t.copyfrom(a.view(np.uint16))
-    return t
 
 
 @pytest.mark.parametrize("dtype, instr", [("uint8", "tdpbusd"), ("bfloat16", "tdpbf16ps")])

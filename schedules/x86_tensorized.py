@@ -1,0 +1,313 @@
+"""x86 convolution and matmul on the dot-product units: ``vpdpbusd`` (AVX-512 VNNI) and AMX tiles.
+
+Both ops come from ``codegen.ops.common.materialize`` as ``acc`` (the reduction) and ``dst``
+(post-ops, cast, padding store) over the destination's physical index space. The rules read
+that nest, not the op or the layout tags:
+
+* ``j``: the destination's innermost dim (the ``16o`` of ``nChw16c``, matmul columns), which
+  must also be the weights' second-innermost: weights packed ``...16o4i`` (``OIhw4i16o4i``,
+  ``BA16b4a``), so that 16 outputs x 4 reduction steps are 64 contiguous bytes, one zmm;
+* ``r``: the reduction loop that walks both the source's and the weights' innermost dim;
+* ``t``: the destination's dim outside ``j`` (``ow``, matmul rows), the rows of a tile.
+
+``Vnni`` (targets with ``avx512_vnni``): the micro-kernel of ``x86_conv.RegisterTiled`` with
+its FMAs replaced by dot products: ``dst`` tiled ``mr x 16``, ``acc`` per tile in registers,
+the reduction outside the tile, each step one ``vpdpbusd`` per row: 4 broadcast source bytes
+times the weight vector the rows share. blockpad's int8 ops are s8 (or u8) x s8; ``vpdpbusd``
+is u8 x s8, so s8 sources go through ``x86_intrin.VNNI_S8`` (shift by 128, compensated:
+exact). Spatial padding read through a guard (``if_then_else`` around the source) becomes the
+predicate of the update: a step that would read outside the image is skipped, which is adding
+the zero it would have read.
+
+``Amx`` (targets with ``amx_tile``): 16 x 16 output tiles, 64 int8 (``tdpbusd`` / ``tdpbssd``)
+or 32 bf16 (``tdpbf16ps``) reduction steps per tile multiply, the accumulator tile in a
+per-tile scratch that the epilogue reads; the tensorized init loads the tile configuration on
+the thread that runs the tile (it is per thread). Rows are source rows 64 bytes apart or more
+with a constant stride: matmul rows, or convolution output pixels of a channels-last source
+(``nhwc``) with 64 channels per row. Guarded (spatially padded) reads are left to ``Vnni``.
+
+A rule returns None for what it does not take (another dtype, dims that are not multiples of
+the tile, a predicated or guarded nest it cannot tensorize), and the next rule in the table
+tries: ``Amx`` falls back to ``Vnni``, which falls back to ``x86_conv.RegisterTiled``.
+
+``reference=True`` builds the same schedule with the plain-loop twins of the intrinsics, so
+that the algorithm runs, and is checked against numpy, on a CPU without the instructions.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+
+from . import x86_intrin as xi
+from .common import op_of
+from .generic import root_blocks, spatial_parallel_vectorize
+
+_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
+SPATIAL, REDUCE = 0, 2   # IterVar types
+VNNI_ROWS = 16   # register tile rows: 16 accumulators + weights + compensation + broadcast
+
+
+class _Nest:
+    """The dot-product shape of a fresh ``acc`` block, or ``ok = False``: which iter var is
+    ``j``, ``t`` and ``r`` (see the module doc), the source and weight element types, the
+    accumulator's, and the guard around the source read (None if it has none)."""
+
+    def __init__(self, sch, acc):
+        self.ok = False
+        block, realize = sch.get(acc), _realize(sch, acc)
+        store = block.body
+        if not isinstance(store, tirx.BufferStore) or not _is_true(realize.predicate):
+            return
+        kinds = [int(iv.iter_type) for iv in block.iter_vars]
+        self.n_sp = kinds.count(SPATIAL)
+        if self.n_sp < 2 or kinds != [SPATIAL] * self.n_sp + [REDUCE] * (len(kinds) - self.n_sp):
+            return
+        self.vars = [iv.var for iv in block.iter_vars]
+        loops = sch.get_loops(acc)
+        if len(loops) != len(self.vars) or any(
+                not v.same_as(sch.get(l).loop_var) for v, l in zip(realize.iter_values, loops)):
+            return   # not a fresh TE nest (one loop per iter var, in order)
+        self.extents = [int(sch.get(l).extent) for l in loops]
+        self.acc_dtype = str(store.buffer.dtype)
+        loads, guards = [], []
+        tvm_ffi.structural_walk(store.value, (tvm.ir.expr.TensorLoad, loads.append))
+
+        def guard(call):
+            if getattr(call.op, "name", "").endswith("if_then_else"):
+                guards.append(call)
+        tvm_ffi.structural_walk(store.value, (tvm.ir.expr.Call, guard))
+        sources = [l for l in loads if not l.source.same_as(store.buffer)]
+        if len(sources) != 2 or len(loads) != 3 or len(guards) > 1:
+            return
+        j_var = self.vars[self.n_sp - 1]
+        if not (isinstance(store.indices[-1], tirx.Var) and store.indices[-1].same_as(j_var)):
+            return
+        wei = next((l for l in sources if len(l.indices) >= 2 and _uses(l.indices[-2], j_var)
+                    and not _uses(l.indices[-1], j_var)), None)
+        if wei is None:
+            return
+        src = next(l for l in sources if l is not wei)
+        # t: the innermost spatial dim the source walks and the weights do not (ow; rows)
+        self.t = next((i for i in reversed(range(self.n_sp - 1))
+                       if any(_uses(x, self.vars[i]) for x in src.indices)
+                       and not any(_uses(x, self.vars[i]) for x in wei.indices)), None)
+        self.r = next((i for i in range(self.n_sp, len(self.vars))
+                       if _uses(wei.indices[-1], self.vars[i])
+                       and _uses(src.indices[-1], self.vars[i])), None)
+        if self.t is None or self.r is None:
+            return
+        self.guard = guards[0] if guards else None
+        if self.guard is not None and not self.guard.args[1].same_as(src):
+            return   # a guard around anything but the source read
+        self.src_dtype, self.wei_dtype = str(src.source.dtype), str(wei.source.dtype)
+        self.ok = True
+
+
+class Vnni:
+    """int8 (s8 or u8 x s8 -> s32) convolution and matmul tensorized to ``vpdpbusd``."""
+
+    ops = ("conv2d", "matmul")
+
+    def __init__(self, reference: bool = False):
+        self.reference = reference
+
+    def apply(self, func, target):
+        if op_of(func) not in self.ops or "avx512_vnni" not in target.features:
+            return None
+        return _schedule(func, target, self._tile)
+
+    def _tile(self, sch, acc, dst, nest):
+        if (nest.src_dtype, nest.wei_dtype, nest.acc_dtype) not in \
+                (("uint8", "int8", "int32"), ("int8", "int8", "int32")):
+            return False
+        if nest.extents[nest.n_sp - 1] % 16 or nest.extents[nest.r] % 4:
+            return False
+        t_ext = nest.extents[nest.t]
+        outer = _tile_dst(sch, dst, nest.t, _divisor_at_most(t_ext, VNNI_ROWS), 16)
+        update, init = _tile_acc(sch, acc, nest, outer, 4)
+        sch.unroll(sch.get_loops(update)[-3])
+        sch.vectorize(sch.get_loops(init)[-1])
+        sch.unroll(sch.get_loops(init)[-2])
+        step = sch.blockize(sch.get_loops(update)[-2])
+        guard = _drop_guard(sch, step) if nest.guard is not None else None
+        intrin = xi.VNNI if nest.src_dtype == "uint8" else xi.VNNI_S8
+        name = sch.get(step).name_hint
+        sch.tensorize(step, xi.name(intrin, self.reference, "local"))
+        if guard is not None:
+            _predicate(sch, sch.get_sblock(name), guard)
+        return True
+
+
+class Amx:
+    """int8 and bf16 convolution and matmul on AMX tiles."""
+
+    ops = ("conv2d", "matmul")
+    # (source, weights, accumulator) -> (tile multiply, init, reduction steps per multiply)
+    KINDS = {("uint8", "int8", "int32"): (xi.AMX_INT8, xi.AMX_ZERO_I32, 64),
+             ("int8", "int8", "int32"): (xi.AMX_S8, xi.AMX_ZERO_I32, 64),
+             # bf16 arrives as its uint16 bits, reinterpreted per element (codegen/ops/matmul.py)
+             ("uint16", "uint16", "float32"): (xi.AMX_BF16, xi.AMX_ZERO_F32, 32)}
+
+    def __init__(self, reference: bool = False):
+        self.reference = reference
+
+    def apply(self, func, target):
+        if op_of(func) not in self.ops or "amx_tile" not in target.features:
+            return None
+        return _schedule(func, target, self._tile)
+
+    def _tile(self, sch, acc, dst, nest):
+        kind = self.KINDS.get((nest.src_dtype, nest.wei_dtype, nest.acc_dtype))
+        if kind is None or nest.guard is not None:
+            return False
+        multiply, zero, steps = kind
+        if nest.extents[nest.n_sp - 1] % 16 or nest.extents[nest.t] % 16 or \
+                nest.extents[nest.r] % steps:
+            return False
+        outer = _tile_dst(sch, dst, nest.t, 16, 16)
+        update, init = _tile_acc(sch, acc, nest, outer, steps)
+        sch.tensorize(sch.get_loops(init)[-2], xi.name(zero, self.reference, "local"))
+        sch.tensorize(sch.get_loops(update)[-3], xi.name(multiply, self.reference, "local"))
+        return True
+
+
+def _schedule(func, target, tile):
+    """The schedule of ``func`` with ``tile(sch, acc, dst, nest)`` shaping the reduction, or
+    None where the nest is not a dot product it takes (or a primitive refuses it)."""
+    sch = s_tir.Schedule(func)
+    try:
+        acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
+    except s_tir.ScheduleError:
+        return None
+    nest = _Nest(sch, acc)
+    if not nest.ok or len(sch.get_loops(dst)) != nest.n_sp:
+        return None
+    stages = [b for b in root_blocks(sch) if sch.get(b).name_hint not in ("acc", "dst")]
+    try:
+        if not tile(sch, acc, dst, nest):
+            return None
+        for block in stages:   # per-channel copies, a spatial padding stage
+            spatial_parallel_vectorize(sch, block, target)
+    except (s_tir.ScheduleError, RuntimeError, ValueError):
+        return None   # tensorize refused the nest: the next rule schedules it
+    return sch
+
+
+def _tile_dst(sch, dst, t, rows, cols):
+    """Tile ``dst`` in ``rows`` of its loop ``t`` x ``cols`` of its innermost loop (column
+    panels outermost, so that their weights stay in cache while rows stream past), the loops
+    outside the tile fused in parallel; the tile's loops are unrolled rows and a vector of
+    columns. Returns the parallel loop."""
+    loops = sch.get_loops(dst)
+    *outer, v = loops
+    t_loop = outer.pop(t)
+    t_ext, v_ext = int(sch.get(t_loop).extent), int(sch.get(v).extent)
+    if rows < t_ext:
+        t_outer, t_loop = sch.split(t_loop, [None, rows])
+        outer.append(t_outer)
+    if cols < v_ext:
+        v_outer, v = sch.split(v, [None, cols])
+        outer.insert(len(outer) - (rows < t_ext), v_outer)
+    sch.reorder(*outer, t_loop, v)
+    fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+    sch.parallel(fused)
+    sch.unroll(t_loop)
+    sch.vectorize(v)
+    return fused
+
+
+def _tile_acc(sch, acc, nest, at_loop, steps):
+    """Compute ``acc`` per tile of ``dst`` (at ``at_loop``) in a tile-sized scratch: the
+    reduction loops outside the tile's rows and columns, loop ``r`` split so that ``steps`` of
+    it sit innermost (the intrinsic's reduction). Returns (update, init): their last three
+    loops are rows, columns and those steps."""
+    sch.compute_at(acc, at_loop, preserve_unit_loops=True)
+    loops = sch.get_loops(acc)
+    n_red = len(nest.vars) - nest.n_sp
+    at, av = loops[-n_red - nest.n_sp + nest.t], loops[-n_red - 1]   # rows, columns
+    reduce = list(loops[-n_red:])
+    r = nest.r - nest.n_sp
+    r_outer, r_inner = sch.split(reduce[r], [None, steps])
+    reduce = [*reduce[:r], *reduce[r + 1:], r_outer]   # r's outer part walks the source innermost
+    sch.reorder(*reduce, at, av, r_inner)
+    sch.set_scope(acc, 0, "local")
+    init = sch.decompose_reduction(acc, reduce[0])
+    return acc, init
+
+
+def _drop_guard(sch, step):
+    """Spatial padding, step 1: in the blockized step ``step`` (one intrinsic's worth of the
+    update), ``acc += cast(if_then_else(g, src, 0)) * w`` becomes ``acc += cast(src) * w``, so
+    that tensorize sees a plain dot product; returns ``g`` over the loop vars. ``g`` tests a
+    pixel, not a channel: it depends on no loop inside the step. Step 2, ``_predicate``, makes
+    it the tensorized step's predicate (tensorize refuses a predicated block): a step that
+    would read outside the image is skipped, which is adding the zero it would have read. The
+    init, decomposed before, still zeroes every accumulator."""
+    outer, outer_realize = sch.get(step), _realize(sch, step)
+    inner_realize = []
+    tvm_ffi.structural_walk(outer.body, (s_tir.SBlockRealize, inner_realize.append))
+    inner_realize = inner_realize[0]
+    inner = inner_realize.block
+    guards = []
+    tvm_ffi.structural_walk(inner.body, (tvm.ir.expr.Call, lambda c: guards.append(c) if getattr(
+        c.op, "name", "").endswith("if_then_else") else None))
+    call = guards[0]
+    body = tvm_ffi.structural_map(
+        inner.body, (tvm.ir.expr.Call, lambda c: call.args[1] if c.same_as(call) else c))
+    new_inner = _with_body(inner, body)
+    new_outer = _with_body(outer, tvm_ffi.structural_map(outer.body, (
+        s_tir.SBlockRealize, lambda r: s_tir.SBlockRealize(r.iter_values, r.predicate, new_inner)
+        if r.same_as(inner_realize) else r)))
+    cond = _substitute(call.args[0], {iv.var: v for iv, v in
+                                      zip(inner.iter_vars, inner_realize.iter_values)})
+    cond = _substitute(cond, {iv.var: v for iv, v in
+                              zip(outer.iter_vars, outer_realize.iter_values)})
+    _replace_realize(sch, step, s_tir.SBlockRealize(outer_realize.iter_values,
+                                                    outer_realize.predicate, new_outer),
+                     {outer: new_outer, inner: new_inner})
+    return cond
+
+
+def _predicate(sch, block, cond):
+    """``block`` runs only where ``cond`` (over the loop vars) holds."""
+    realize = _realize(sch, block)
+    _replace_realize(sch, block, s_tir.SBlockRealize(
+        realize.iter_values, tirx.And(realize.predicate, cond), realize.block), {})
+
+
+def _replace_realize(sch, block, new_realize, reuse):
+    """Put ``new_realize`` where ``block``'s realize is, through its parent loop (the
+    schedule state replaces loops and blocks, not realizes)."""
+    realize = _realize(sch, block)
+    loop = sch.get_loops(block)[-1]
+    new_loop = tvm_ffi.structural_map(sch.get(loop), (
+        s_tir.SBlockRealize, lambda r: new_realize if r.same_as(realize) else r))
+    sch.state.replace(sch.get_sref(loop), new_loop, reuse)
+
+
+def _with_body(block, body):
+    return s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body,
+                        block.init, block.alloc_buffers, block.match_buffers, block.annotations)
+
+
+def _substitute(expr, mapping: dict):
+    return tvm_ffi.structural_map(
+        expr, (tirx.Var, lambda v: next((new for old, new in mapping.items() if v.same_as(old)),
+                                        v)))
+
+
+def _uses(expr, var) -> bool:
+    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
+
+
+def _is_true(e) -> bool:
+    return isinstance(e, tirx.IntImm) and e.value == 1
+
+
+def _divisor_at_most(n: int, limit: int) -> int:
+    return max(k for k in range(1, min(n, limit) + 1) if n % k == 0)
+
+
+RULES = [Amx(), Vnni()]
