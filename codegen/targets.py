@@ -33,6 +33,7 @@ class Target:
 # x86-64-v3 is the AVX2 level (AVX, AVX2, BMI1/2, F16C, FMA, LZCNT, MOVBE): code built for it
 # runs on any Haswell-or-later Intel and Zen AMD, which is what 'host' promises.
 _X86_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "sse4_2", "popcnt")
+_AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
 
 
 def _cuda(cc: int, gpu: str) -> Target:
@@ -54,8 +55,22 @@ TARGETS = {
                    "x86_64", _X86_V3, 32, "x86-64 with AVX2 and FMA (x86-64-v3)"),
     "avx512": Target("avx512", "x86", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
                                        "mcpu": "skylake-avx512"},
-                     "x86_64", _X86_V3 + ("avx512f", "avx512bw", "avx512dq", "avx512vl"), 64,
+                     "x86_64", _X86_V3 + _AVX512, 64,
                      "x86-64 with AVX-512 (Skylake-SP and later)"),
+    # int8 convolution and matmul tensorized to vpdpbusd (schedules/x86_tensorized.py)
+    "avx512-vnni": Target("avx512-vnni", "x86", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                                                 "mcpu": "cascadelake"},
+                          "x86_64", _X86_V3 + _AVX512 + ("avx512_vnni",), 64,
+                          "x86-64 with AVX-512 VNNI (Cascade Lake, Ice Lake, Zen 4 and later): "
+                          "int8 dot products with vpdpbusd"),
+    # int8 and bf16 matmul / convolution on AMX tiles; the runtime asks Linux for the tile state
+    # (arch_prctl) before the first call, because the kernel would die of SIGILL without it
+    "amx": Target("amx", "x86", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                                 "mcpu": "sapphirerapids"},
+                  "x86_64", _X86_V3 + _AVX512 + ("avx512_vnni", "avx512_bf16", "amx_tile",
+                                                 "amx_int8", "amx_bf16"), 64,
+                  "x86-64 with AMX (Sapphire Rapids and later): int8 and bf16 tile multiply "
+                  "(tdpbusd, tdpbssd, tdpbf16ps)"),
     # Arm: cross-compiled (the aarch64 GNU toolchain links the .so); on an x86 machine such a
     # library is run under qemu-aarch64 (blockpad.testing.qemu), never loaded.
     "neon": Target("neon", "arm", {"kind": "llvm", "mtriple": "aarch64-linux-gnu",
