@@ -6,14 +6,16 @@ layout of the ``ab`` family: ``BA16a16b`` (N-blocks of K x 16 panels, 16 output 
 contiguous: the one the x86 micro-kernel streams), ``AB16b16a``, ``BA16b4a`` (VNNI-style: 4 k
 innermost for each of 16 columns), .... Element types as in conv2d (``postops.types``):
 float32 (float64, float16), or ``uint8``/``int8`` x ``int8`` accumulated in int32, then
-``dst = scale[n] * acc`` (+ post-ops) in float32. The reduction runs over the K that both the
-source and the weights pad to (whole blocks), relying on zero padding there, so it reads source
-padding.
+``dst = scale[n] * acc`` (+ post-ops) in float32, or ``bfloat16`` x ``bfloat16`` accumulated
+and written in float32 (AMX ``tdpbf16ps``; bf16 is kept as its uint16 bits in the kernel's
+arguments, as everywhere in blockpad: DLPack and numpy have no bfloat16). The reduction runs
+over the K that both the source and the weights pad to (whole blocks), relying on zero padding
+there, so it reads source padding.
 """
 
 from __future__ import annotations
 
-from tvm import te
+from tvm import te, tirx
 
 from blockpad.errors import SpecError
 
@@ -23,6 +25,12 @@ from .common import OpDef, Source, materialize, propagates_zero
 
 TENSORS = ("src", "weights", *postops.TENSORS, "dst")
 PARAMS = {"n": None, "post_ops": []}
+BF16 = "bfloat16"
+
+
+def _types(dtype: str) -> tuple:
+    """``(weights, accumulator, destination)``: ``postops.types``, plus bf16 -> fp32."""
+    return (BF16, "float32", "float32") if dtype == BF16 else postops.types(dtype)
 
 
 def signature(shape, dtype, params):
@@ -31,25 +39,30 @@ def signature(shape, dtype, params):
     if len(shape) != 2 or not isinstance(n, int) or n < 1:
         raise SpecError(f"matmul: shape is the source's (M, K) and n a positive integer; got "
                         f"shape {list(shape)}, n {n!r}")
-    wei, _, out = postops.types(dtype)
+    wei, _, out = _types(dtype)
     dst = (shape[0], n)
     return {"src": (tuple(shape), dtype), "weights": ((shape[1], n), wei),
-            **postops.tensors(params["post_ops"], dst, n, dtype), "dst": (dst, out)}
+            **postops.tensors(params["post_ops"], dst, n, out if dtype == BF16 else dtype),
+            "dst": (dst, out)}
 
 
 def make(layouts, name, policy, n=None, post_ops=()):
     src, wei, dst = layouts["src"], layouts["weights"], layouts["dst"]
     k_red = min(src.padded_shape[1], wei.padded_shape[0])
     reads_padding = k_red > src.shape[1]
-    acc = postops.types(src.dtype)[1]
+    acc = _types(src.dtype)[1]
+    bits = "uint16" if src.dtype == BF16 else None
 
     def opdef(mode):
-        a, b = Source("src", src, mode), Source("weights", wei, mode)
+        a, b = Source("src", src, mode, bits), Source("weights", wei, mode, bits)
         post = postops.Chain(post_ops, layouts, mode)
         rk = te.reduce_axis((0, k_red), "rk")
 
+        def elem(x):
+            return (tirx.reinterpret(BF16, x) if bits else x).astype(acc)
+
         def value(i, j):
-            return te.sum(a(i, rk).astype(acc) * b(rk, j).astype(acc), axis=[rk])
+            return te.sum(elem(a(i, rk)) * elem(b(rk, j)), axis=[rk])
 
         return OpDef("matmul", [a, b, *post.sources.values()], value, reduce=True,
                      epilogue=post, reads_padding=reads_padding,
