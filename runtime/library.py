@@ -11,8 +11,10 @@ import numpy as np
 from blockpad.errors import ArgumentError, LoadError
 from blockpad.layout import Layout, numpy_dtype
 
+from . import machine
 from . import manifest as mf
 from . import padding
+from .machine import gpu_requirement
 from .memory import Memory, aligned_empty, physical_view
 from .tvm_runtime import load_module
 
@@ -52,11 +54,40 @@ class Kernel:
         if len(args) != len(sig.args):
             raise ArgumentError(f"{sig.name}: expected {len(sig.args)} arguments "
                                 f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
+        if self._library.device == "cuda":
+            return self._run_on_gpu(args, stream)
         mems = [_as_memory(value, sig.name, *spec) for value, spec in zip(args, sig.args)]
         _check_no_alias(sig, [m.physical_view() for m in mems])
         if stream is not None:
             return stream.submit(self._run, mems)
         self._run(mems)
+        return None
+
+    def _run_on_gpu(self, args, stream):
+        """A CUDA library's kernel on GPU tensors (any DLPack producer: PyTorch, CuPy, JAX),
+        zero-copy. The launch is asynchronous on the device's default stream, ordered with the
+        producer's work on that stream. Padding state lives on ``Memory`` objects, which are
+        host buffers: a GPU library honours only the policies that need no state, ``dst_fused``
+        and ``dst_stage`` (whose stage is a GPU kernel of the same library)."""
+        sig = self.signature
+        if stream is not None:
+            raise ArgumentError(f"{sig.name}: blockpad streams order host work; a GPU kernel "
+                                f"runs on the CUDA stream of its tensors (call without stream=)")
+        contract = sig.padding
+        if contract and contract["policy"] not in ("dst_fused", "dst_stage"):
+            raise ArgumentError(f"{sig.name}: policy {contract['policy']!r} keeps padding state "
+                                f"in blockpad.Memory objects, which GPU tensors do not carry; "
+                                f"build GPU libraries with policy dst_fused or dst_stage")
+        tensors = [_as_gpu_tensor(value, f"{sig.name}: argument {spec[0]!r}", *spec[1:])
+                   for value, spec in zip(args, sig.args)]
+        _check_no_overlap(sig, [(t.data_ptr(), t.numel() * _itemsize(spec[3]))
+                                for t, spec in zip(tensors, sig.args)])
+        self.run_raw(tensors)
+        stage = contract.get("dst_stage") if contract else None
+        if stage:
+            for t, spec in zip(tensors, sig.args):
+                if spec[1] != "in":
+                    self._library[stage].run_raw([t])
         return None
 
     def _run(self, mems, views=None):
@@ -84,6 +115,9 @@ class Kernel:
         if len(args) != len(sig.args):
             raise ArgumentError(f"{sig.name}: expected {len(sig.args)} arguments "
                                 f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
+        if self._library.device == "cuda":
+            raise ArgumentError(f"{sig.name}: bind() holds host memories; call a GPU kernel "
+                                f"directly with GPU tensors")
         mems = [_as_memory(value, sig.name, *spec) for value, spec in zip(args, sig.args)]
         _check_no_alias(sig, [m.physical_view() for m in mems])
         return BoundCall(self, mems)
@@ -130,6 +164,8 @@ class Library:
         self.manifest = manifest
         self.target = manifest["target"]["name"]
         self.policy = manifest.get("policy")
+        # where the kernels compute: a CUDA library takes GPU tensors, not host memories
+        self.device = "cuda" if gpu_requirement(manifest["target"]["features"]) else "cpu"
         self._module = module
         self.kernels = {k["name"]: Signature(k) for k in manifest["kernels"]}
         self._cache = {}
@@ -174,6 +210,8 @@ def load(path) -> Library:
     path = os.fspath(path)
     manifest = mf.read(path)
     lib_path = mf.check_loadable(path, manifest)
+    if "amx_tile" in manifest["target"].get("features", ()):
+        machine.request_amx()   # before any call: a tile instruction without it is SIGILL
     try:
         module = load_module(lib_path)
     except Exception as e:  # noqa: BLE001 - the loader's own error type is an FFI detail
@@ -247,6 +285,61 @@ def _as_numpy(value, where) -> np.ndarray:
             raise ArgumentError(f"{where}: DLPack tensor not readable as a CPU array ({e})") from e
     raise ArgumentError(f"{where}: expected a Memory, numpy array or DLPack tensor; got "
                         f"{type(value).__name__}")
+
+
+_GPU_DEVICES = {2: "cuda", 13: "cuda managed"}   # DLPack device types a CUDA kernel can read
+_DLPACK_DEVICES = {1: "cpu", 3: "cuda host (pinned)", 4: "opencl", 7: "vulkan", 8: "metal",
+                   10: "rocm"}
+
+
+def _as_gpu_tensor(value, where, role, layout: Layout, storage):
+    """Check one argument of a GPU kernel and return it as a tvm_ffi Tensor (no copy)."""
+    import tvm_ffi
+
+    if not hasattr(value, "__dlpack__") or not hasattr(value, "__dlpack_device__"):
+        raise ArgumentError(f"{where}: this library runs on a CUDA GPU; expected a CUDA tensor "
+                            f"(DLPack: torch, CuPy, JAX); got {type(value).__name__}")
+    kind = int(value.__dlpack_device__()[0])
+    if kind not in _GPU_DEVICES:
+        raise ArgumentError(f"{where}: this library runs on a CUDA GPU; expected a tensor in "
+                            f"CUDA device memory; got one on "
+                            f"{_DLPACK_DEVICES.get(kind, f'DLPack device type {kind}')}")
+    tensor = tvm_ffi.from_dlpack(value, require_alignment=0, require_contiguous=False)
+    if str(tensor.dtype) != layout.dtype:
+        raise ArgumentError(f"{where}: expected dtype {layout.dtype}; got {tensor.dtype}")
+    if storage != layout.dtype:
+        raise ArgumentError(f"{where}: this kernel moves {layout.dtype} as {storage}; pass a "
+                            f"{storage} view of the tensor (torch: .view(torch.{storage}))")
+    shape = tuple(tensor.shape)
+    if layout.strides is not None or shape not in (
+            layout.physical_shape, layout.shape if layout.is_plain else None):
+        accepted = f"physical shape {layout.physical_shape}"
+        if layout.is_plain:
+            accepted = f"logical shape {layout.shape} or {accepted}"
+        raise ArgumentError(f"{where}: layout {layout} takes a GPU tensor of {accepted}; got "
+                            f"shape {shape}")
+    if not tensor.is_contiguous():
+        raise ArgumentError(f"{where}: expected a contiguous tensor; got strides "
+                            f"{tuple(tensor.strides)} (.contiguous() makes one)")
+    if tensor.data_ptr() % _itemsize(storage):
+        raise ArgumentError(f"{where}: data at 0x{tensor.data_ptr():x} is not aligned to its "
+                            f"{_itemsize(storage)}-byte elements")
+    return tensor
+
+
+def _itemsize(dtype: str) -> int:
+    return numpy_dtype(dtype).itemsize
+
+
+def _check_no_overlap(sig: Signature, ranges):
+    """``_check_no_alias`` for device memory, from (address, bytes) ranges."""
+    for i, (name_i, role_i, *_) in enumerate(sig.args):
+        for j in range(i + 1, len(sig.args)):
+            name_j, role_j = sig.args[j][:2]
+            (a, na), (b, nb) = ranges[i], ranges[j]
+            if (role_i, role_j) != ("in", "in") and a < b + nb and b < a + na:
+                raise ArgumentError(f"{sig.name}: arguments {name_i!r} and {name_j!r} overlap in "
+                                    f"memory; this kernel needs separate buffers")
 
 
 def _check_no_alias(sig: Signature, views):

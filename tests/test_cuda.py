@@ -7,6 +7,7 @@ host. Everything skips, saying why, when nvcc is not installed."""
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import importlib.util
 import json
@@ -17,6 +18,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import blockpad as bp
@@ -296,3 +298,110 @@ def test_fallback_binds_any_kernel():
     sch = cuda.Fallback().apply(kernel.func, get_target("cuda-sm80"))
     source, _, ptx = compile_cuda(sch.mod["main"], "mm_any", "cuda-sm80")
     assert source.count("__global__") >= 2 and ".target sm_80" in ptx
+
+
+# ---- calling a GPU library: GPU tensors in, zero-copy, padding contract honoured -------------
+
+class FakeCudaTensor:
+    """A DLPack producer that says its memory is on CUDA device 0 (as a torch.cuda tensor does),
+    backed by host memory that nothing here dereferences: enough to drive the runtime's argument
+    path up to the launch without a GPU."""
+
+    def __init__(self, shape, dtype="float32", device=2, strides=None):
+        self.array = np.zeros(shape, dtype)
+        self.device = device
+        self._exported = []
+        self._shape = (ctypes.c_int64 * len(shape))(*shape)
+        self._strides = None if strides is None else (ctypes.c_int64 * len(shape))(*strides)
+
+    def __dlpack_device__(self):
+        return self.device, 0
+
+    def __dlpack__(self, stream=None, **kwargs):
+        code = {"f": 2, "i": 0, "u": 1}[self.array.dtype.kind]
+        tensor = _DLManagedTensor(_DLTensor(
+            self.array.ctypes.data, _DLDevice(self.device, 0), self.array.ndim,
+            _DLDataType(code, 8 * self.array.itemsize, 1),
+            ctypes.cast(self._shape, ctypes.POINTER(ctypes.c_int64)),
+            None if self._strides is None else
+            ctypes.cast(self._strides, ctypes.POINTER(ctypes.c_int64)), 0), None, None)
+        self._exported.append(tensor)   # each capsule points into its own; no deleter: ours
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                        ctypes.c_void_p]
+        return new(ctypes.addressof(tensor), b"dltensor", None)
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+@pytest.fixture
+def gpu_library(cuda_lib):
+    """The built CUDA library with its module replaced by a recorder of launches (this machine
+    has no GPU to load the real one on)."""
+    from blockpad.runtime import manifest as mf
+    from blockpad.runtime.library import Library
+
+    launches = []
+
+    class Module:
+        def __getitem__(self, name):
+            return lambda *tensors: launches.append((name, tensors))
+    return Library(str(cuda_lib[2]), mf.read(cuda_lib[2]), Module()), launches
+
+
+def test_gpu_kernels_take_gpu_tensors_zero_copy(gpu_library):
+    lib, launches = gpu_library
+    assert lib.device == "cuda"
+    lay = lib["relu_stage"].signature.args[0][2]
+    src, dst = FakeCudaTensor(lay.physical_shape), FakeCudaTensor(lay.physical_shape)
+    lib["relu_stage"](src, dst)
+    (name, (s, d)), (stage, (z,)) = launches
+    assert name == "relu_stage" and stage == "relu_stage__zero_pad_dst"   # dst_stage's stage
+    assert str(s.device) == "cuda:0" and s.data_ptr() == src.array.ctypes.data   # no copy
+    assert d.data_ptr() == z.data_ptr() == dst.array.ctypes.data
+    launches.clear()
+    plain = lib["reorder_nchw_nChw16c_f32_2x30x5x7"]
+    plain(FakeCudaTensor(SHAPE), FakeCudaTensor(lay.physical_shape))     # logical shape: plain
+    assert [n for n, _ in launches] == [plain.name]
+
+
+def test_gpu_kernels_refuse_host_memory_and_bad_tensors(gpu_library):
+    lib, launches = gpu_library
+    k = lib["relu_fused"]
+    shape = k.signature.args[0][2].physical_shape
+    with pytest.raises(bp.ArgumentError, match="runs on a CUDA GPU; expected a tensor in CUDA "
+                                               "device memory; got one on cpu"):
+        k(np.zeros(shape, "float32"), FakeCudaTensor(shape))
+    with pytest.raises(bp.ArgumentError, match="expected a CUDA tensor .*; got list"):
+        k([0.0], FakeCudaTensor(shape))
+    with pytest.raises(bp.ArgumentError, match=r"takes a GPU tensor of physical shape "
+                                               r"\(2, 2, 5, 7, 16\); got shape \(2, 30, 5, 7\)"):
+        k(FakeCudaTensor(SHAPE), FakeCudaTensor(shape))
+    with pytest.raises(bp.ArgumentError, match="expected dtype float32; got int32"):
+        k(FakeCudaTensor(shape, "int32"), FakeCudaTensor(shape))
+    same = FakeCudaTensor(shape)
+    with pytest.raises(bp.ArgumentError, match="overlap in memory"):
+        k(same, same)
+    with pytest.raises(bp.ArgumentError, match="bind"):
+        k.bind(FakeCudaTensor(shape), FakeCudaTensor(shape))
+    k.signature.padding = {**k.signature.padding, "policy": "tracked"}
+    with pytest.raises(bp.ArgumentError, match="policy 'tracked' keeps padding state"):
+        k(FakeCudaTensor(shape), FakeCudaTensor(shape))
+    assert not launches
