@@ -515,7 +515,6 @@ class Graph:
             mem = self._weights.get(key)
             if mem is not None:
                 return mem
-            src = self.constants[cname]
             mem = Memory(layout, aligned_empty(layout.alloc_len, numpy_dtype(layout.dtype)),
                          library=_Runtime(self.policy, self.cache))
             self._weights[key] = mem
