@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
+    p.add_argument("--target", default=None,
+                   help="target of blockpad's kernels (ops; default: the widest this CPU runs)")
     p.set_defaults(run=_bench)
 
     p = sub.add_parser("report", help="run a measured report")
@@ -108,7 +110,7 @@ def _bench(args):
     if args.what == "ops":
         from .bench import ops
 
-        ops.main(repeat=args.repeat, threads=args.threads)
+        ops.main(repeat=args.repeat, threads=args.threads, target=args.target)
         return
     from .bench import reorder
 

@@ -61,6 +61,19 @@ def threaded_copy(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor, pa
     return run
 
 
+def native_target() -> str:
+    """The widest CPU target this machine runs: PyTorch picks its kernels' ISA at run time
+    (AVX-512 where the CPU has it), so a fair comparison builds blockpad for the same."""
+    from blockpad.codegen.targets import TARGETS
+    from blockpad.runtime import machine
+
+    for name in ("avx512", "host"):
+        t = TARGETS[name]
+        if t.arch == machine.arch() and not machine.missing_features(t.features):
+            return name
+    return "host"
+
+
 def table(rows: list[list], header: list[str]) -> str:
     """Left-align the first column, right-align the others."""
     cells = [header] + [[str(c) for c in r] for r in rows]

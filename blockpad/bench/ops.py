@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from .common import interleaved, table
+from .common import interleaved, native_target, table
 
 HW = 56
 OPS = {   # name -> spec fields (src/dst nChw16c)
@@ -37,18 +37,19 @@ def _spec(channels):
     return {"library": {"name": "bench-ops"}, "kernel": kernels}
 
 
-def main(repeat=7, threads=None, out_dir="build/bench-ops"):
+def main(repeat=7, threads=None, target=None, out_dir="build/bench-ops"):
     if threads:
         os.environ["TVM_NUM_THREADS"] = str(threads)
     import blockpad as bp
     from blockpad.codegen.spec import parse_spec
     from blockpad.runtime.tvm_runtime import default_threads
 
-    lib = bp.load(bp.build(parse_spec(_spec((256, 250))), "host", out_dir).out_dir)
+    target = target or native_target()
+    lib = bp.load(bp.build(parse_spec(_spec((256, 250))), target, f"{out_dir}-{target}").out_dir)
     threads = int(os.environ.get("TVM_NUM_THREADS", default_threads()))
     rng = np.random.default_rng(0)
-    print(f"\nbenchmark: padding cost per op, {threads} thread(s); median of {repeat} "
-          f"interleaved rounds")
+    print(f"\nbenchmark: padding cost per op, target {target}, {threads} thread(s); median of "
+          f"{repeat} interleaved rounds")
     rows = []
     for name in OPS:
         calls = {}
@@ -63,10 +64,10 @@ def main(repeat=7, threads=None, out_dir="build/bench-ops"):
                      f"{t['dst_fused'] / t['nopad']:.3f}", f"{t['dst_stage'] / t['nopad']:.3f}"])
     print(table(rows, ["op", "C=256 us", "dst_fused C=250 us", "dst_stage C=250 us",
                        "fused/nopad", "stage/nopad"]))
-    _vs_torch(lib, threads, repeat, rng)
+    _vs_torch(lib, target, threads, repeat, rng)
 
 
-def _vs_torch(lib, threads, repeat, rng):
+def _vs_torch(lib, target, threads, repeat, rng):
     import blockpad as bp
 
     try:
@@ -89,7 +90,7 @@ def _vs_torch(lib, threads, repeat, rng):
     nbytes = 2 * x.nbytes
     rows = [[n, f"{1e6 * s:.0f}", f"{nbytes / s / 1e9:.1f}"] for n, s in t.items()]
     print(f"\nbenchmark: memory-bound ops on 1x256x56x56 fp32 vs PyTorch {torch.__version__}, "
-          f"{threads} thread(s)")
+          f"blockpad target {target}, {threads} thread(s)")
     print(table(rows, ["contender", "us", "GB/s"]))
     names = list(t)
     print(f"gelu: blockpad / torch = {t[names[1]] / t[names[0]]:.2f}x   "
