@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
+import os
 import platform
+
+from blockpad.errors import LoadError
 
 
 def arch() -> str:
@@ -57,3 +61,38 @@ def gpu_requirement(features):
         if f.startswith("sm_") and f[3:].isdigit():
             return int(f[3:-1]), int(f[-1])
     return None
+
+
+class TilePermissionError(LoadError):
+    """The operating system refused this process the AMX tile state."""
+
+
+SYS_ARCH_PRCTL = 158            # x86-64 syscall number of arch_prctl
+ARCH_REQ_XCOMP_PERM = 0x1023
+XFEATURE_XTILEDATA = 18
+
+
+@functools.lru_cache(maxsize=1)
+def request_amx() -> None:
+    """Ask Linux for the AMX tile data state (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, Linux 5.16+). Linux hands it out only on request, per process, so
+    that processes that never touch tiles do not carry 8 KiB of register state: without it
+    the first tile instruction of a kernel dies of SIGILL, on whichever thread runs it. One
+    request covers every thread of the process; it is made once, and a refusal is raised as
+    ``TilePermissionError`` (and asked again next time: the cache keeps only success)."""
+    if arch() != "x86_64":
+        raise TilePermissionError(f"AMX tile state: AMX is an x86-64 feature; this machine is "
+                                  f"{arch()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_REQ_XCOMP_PERM),
+                      ctypes.c_long(XFEATURE_XTILEDATA))
+    if rc != 0:
+        err = ctypes.get_errno()
+        why = {errno.EOPNOTSUPP: "this CPU or kernel has no AMX tile state to give",
+               errno.EINVAL: "this kernel does not know the request (Linux 5.16+ has it)",
+               errno.EPERM: "the process is not allowed it (a seccomp or sigaltstack limit)"}
+        raise TilePermissionError(
+            f"AMX tile state: Linux refused arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) "
+            f"with {errno.errorcode.get(err, err)} ({os.strerror(err)}): "
+            f"{why.get(err, 'see arch_prctl(2)')}. AMX kernels cannot run in this process; "
+            f"build for --target avx512-vnni or host")
