@@ -274,7 +274,7 @@ def _predicate(sch, block, cond):
     """``block`` runs only where ``cond`` (over the loop vars) holds."""
     realize = _realize(sch, block)
     _replace_realize(sch, block, s_tir.SBlockRealize(
-        realize.iter_values, tirx.And(realize.predicate, cond), realize.block), {})
+        realize.iter_values, tirx.And(realize.predicate, tirx.likely(cond)), realize.block), {})
 
 
 def _replace_realize(sch, block, new_realize, reuse):

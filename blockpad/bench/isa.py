@@ -1,0 +1,205 @@
+"""``blockpad bench isa``: the instruction mix of each kernel's hot loop, per target, from the
+assembly the build keeps, so that a schedule can be judged on a machine without the hardware.
+
+For every non-host target a small library of convolutions and matmuls is built (fp32, int8,
+bf16 where the target has a unit for it). In each kernel (its entry point and the parallel
+bodies TVM outlines), the innermost loops are found from the backward branches of the
+assembly; the hot loop is the innermost loop with the most dot-product instructions (a kernel
+whose reduction LLVM unrolled whole has none: then the whole kernel is counted, and says so).
+For that loop it prints:
+
+* ``dot``: vector FMAs and dot products (``vfmadd*``, ``vpdpbusd``, ``tdp*``, ``fmla``,
+  ``sdot``), the work;
+* ``loads`` / ``stores``: instructions that read / write memory (a folded load operand counts);
+* ``spills``: loads and stores of vector registers from and to the stack (a register tile
+  that did not fit); scalar stack traffic (loop state kept in the frame) is not counted;
+* ``dot/load``: the ratio a register-blocked kernel raises (oneDNN's and BLIS's aim); an AMX
+  tile multiply does 16 x 16 x 64 int8 products per instruction, so there the ratio is per
+  tile load.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+from .common import table
+
+# targets measured here, and the kernels each gets (spec fields; name: what it shows)
+_CONV = {"op": "conv2d", "shape": [1, 32, 8, 16], "channels": 32, "kernel": [3, 3], "pad": [1, 1]}
+_MM = {"op": "matmul", "shape": [32, 128], "n": 64}
+X86_KERNELS = {
+    "conv_f32": {**_CONV, "dtype": "float32", "src": "nChw16c", "weights": "OIhw16i16o",
+                 "dst": "nChw16c"},
+    "conv_s8": {**_CONV, "dtype": "int8", "src": "nChw16c", "weights": "OIhw4i16o4i",
+                "dst": "nChw16c"},
+    # channels last, 64 channels a row, OW = 16: the convolution AMX tiles take
+    "conv_u8_nhwc": {**_CONV, "dtype": "uint8", "shape": [1, 64, 4, 18], "pad": [0, 0],
+                     "src": "nhwc", "weights": "OIhw16i16o4i", "dst": "nChw16c"},
+    "mm_f32": {**_MM, "dtype": "float32", "src": "ab", "weights": "BA16a16b", "dst": "ab"},
+    "mm_u8": {**_MM, "dtype": "uint8", "src": "ab", "weights": "BA16b4a", "dst": "ab"},
+    "mm_bf16": {**_MM, "dtype": "bfloat16", "src": "ab", "weights": "BA16b2a", "dst": "ab"},
+}
+ARM_KERNELS = {
+    "conv_f32": {**_CONV, "dtype": "float32", "src": "nChw4c", "weights": "OIhw4i4o",
+                 "dst": "nChw4c"},
+    "conv_s8": {**_CONV, "dtype": "int8", "src": "nChw4c", "weights": "OIhw4o4i",
+                "dst": "nChw4c"},
+    "mm_f32": {**_MM, "dtype": "float32", "src": "ab", "weights": "BA4b", "dst": "ab"},
+    "mm_s8": {**_MM, "dtype": "int8", "src": "ab", "weights": "BA4b4a", "dst": "ab"},
+}
+TARGETS = {"avx512": X86_KERNELS, "avx512-vnni": X86_KERNELS, "amx": X86_KERNELS,
+           "neon": ARM_KERNELS, "neon-dotprod": ARM_KERNELS}
+
+_DOT = re.compile(r"^(v?fn?madd\w*|vpdp\w+|vdpbf16ps|tdp\w+|fmla|sdot|udot|smmla|ummla|bfdot"
+                  r"|bfmmla)$")
+_X86_MEM = re.compile(r"\((%\w+)?(,|\))")
+_ARM_LOAD = re.compile(r"^(ld[1-4]r?|ldr\w*|ldp\w*|ldur\w*)$")
+_ARM_STORE = re.compile(r"^(st[1-4]|str\w*|stp\w*|stur\w*)$")
+_BRANCH = re.compile(r"^(j\w+|b|b\.\w+|cbn?z|tbn?z)$")
+
+
+def functions(asm: str) -> dict:
+    """``{function: [line, ...]}``: each function's labels (``.LBB0_3:``) and instructions,
+    directives dropped."""
+    funcs, current = {}, None
+    for line in asm.splitlines():
+        m = re.match(r"\s*\.type\s+([^,]+),@function", line)
+        if m:
+            current = funcs.setdefault(m.group(1), [])
+        elif current is not None:
+            s = line.strip()
+            if re.match(r"^[.\w$]+:", s) or (line.startswith("\t") and s and not s.startswith(".")):
+                current.append(re.sub(r"(//|\s#\s|^#\s).*$", "", s).strip())
+    return funcs
+
+
+def kernel_code(funcs: dict, kernel: str) -> dict:
+    """The functions of ``kernel``: its entry point and every function it reaches (parallel
+    bodies), not the error helpers kernels share."""
+    seen, todo = {}, [f"__tvm_ffi_{kernel}"]
+    while todo:
+        f = todo.pop()
+        if f in seen or f not in funcs or f.startswith("__tvm_set_raised"):
+            continue
+        seen[f] = funcs[f]
+        text = "\n".join(funcs[f])
+        todo += [g for g in funcs if g not in seen and re.search(rf"[\s,:]{re.escape(g)}(?![\w.])", text)]
+    return seen
+
+
+def innermost_loops(lines: list) -> list:
+    """The innermost loops of one function: instruction lists between a label and a branch
+    back to it, containing no other such loop."""
+    labels = {l[:-1]: i for i, l in enumerate(lines) if l.endswith(":")}
+    loops = []
+    for i, line in enumerate(lines):
+        parts = line.split()
+        if len(parts) >= 2 and _BRANCH.match(parts[0]):
+            target = parts[-1].split(",")[-1]
+            if target in labels and labels[target] < i:
+                loops.append((labels[target], i))
+    inner = [(a, b) for a, b in loops
+             if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]
+    return [[l for l in lines[a:b + 1] if not l.endswith(":")] for a, b in inner]
+
+
+def mix(instrs: list, arch: str) -> dict:
+    """Counts of dot instructions, loads, stores and vector spills (stack loads and stores of
+    vector registers) in ``instrs``."""
+    out = {"instrs": len(instrs), "dot": 0, "loads": 0, "stores": 0, "spills": 0}
+    for ins in instrs:
+        op, rest = (ins.split(None, 1) + [""])[:2]
+        if _DOT.match(op):
+            out["dot"] += 1
+        if arch == "x86_64":
+            operands = _split_operands(rest)
+            mem = [i for i, o in enumerate(operands) if _X86_MEM.search(o)]
+            if not mem or op.startswith(("lea", "nop", "prefetch", "push", "pop", "call")):
+                continue
+            last = len(operands) - 1
+            if op.startswith("tilestore"):
+                out["stores"] += 1
+            elif op.startswith(("cmp", "test", "ucomi", "vucomi", "comi", "tileload")) \
+                    or last == 0 or any(i < last for i in mem):
+                out["loads"] += 1          # AT&T: a memory operand before the last is read
+            else:
+                out["stores"] += 1         # ...and the last one written
+            out["spills"] += any(re.search(r"\(%(rsp|rbp)\b", operands[i]) for i in mem) and \
+                bool(re.search(r"%[xyzt]mm", rest))
+        else:
+            if _ARM_LOAD.match(op):
+                out["loads"] += 1
+            elif _ARM_STORE.match(op):
+                out["stores"] += 1
+            else:
+                continue
+            out["spills"] += "[sp" in rest and bool(re.match(r"\{?\s*[qdsv]\d", rest))
+    return out
+
+
+def _split_operands(rest: str) -> list:
+    """AT&T operands, split at the commas outside parentheses."""
+    out, depth, cur = [], 0, ""
+    for ch in rest:
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        depth += ch == "("
+        depth -= ch == ")"
+        cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def hot_loop(funcs: dict, kernel: str, arch: str) -> tuple[str, dict]:
+    """``(where, mix)`` of ``kernel``'s hot loop: the innermost loop with the most dot
+    instructions, or the whole kernel (``where = 'unrolled'``) when no loop has any."""
+    code = kernel_code(funcs, kernel)
+    best = None
+    for lines in code.values():
+        for loop in innermost_loops(lines):
+            m = mix(loop, arch)
+            if m["dot"] and (best is None or m["dot"] > best["dot"]):
+                best = m
+    if best is not None:
+        return "loop", best
+    flat = [l for lines in code.values() for l in lines if not l.endswith(":")]
+    return "unrolled", mix(flat, arch)
+
+
+def measure(target: str, out_dir: str) -> list:
+    """Build ``target``'s kernels into ``out_dir`` and return one row per kernel."""
+    from blockpad.codegen import build
+    from blockpad.codegen.spec import parse_spec
+    from blockpad.codegen.targets import get_target
+
+    t = get_target(target)
+    kernels = [{"name": name, **fields} for name, fields in TARGETS[target].items()]
+    build.build(parse_spec({"library": {"name": f"isa-{target}"}, "kernel": kernels}), t,
+                out_dir, log=lambda m: None)
+    with open(os.path.join(out_dir, "source", "kernels.s")) as f:
+        funcs = functions(f.read())
+    rows = []
+    for k in kernels:
+        where, m = hot_loop(funcs, k["name"], t.arch)
+        ratio = f"{m['dot'] / m['loads']:.2f}" if m["loads"] else "-"
+        rows.append([f"{target} {k['name']}", where, m["instrs"], m["dot"], m["loads"],
+                     m["stores"], m["spills"], ratio])
+    return rows
+
+
+def main(out_dir=None, targets=None):
+    targets = targets or list(TARGETS)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for target in targets:
+            rows += measure(target, os.path.join(out_dir or tmp, target))
+    print("instruction mix of each kernel's hot loop (innermost loop with the most dot "
+          "instructions), from the generated assembly")
+    print(table(rows, ["target kernel", "where", "instrs", "dot", "loads", "stores", "spills",
+                       "dot/load"]))
+    return rows

@@ -1,0 +1,371 @@
+"""The ``avx512-vnni`` and ``amx`` targets: libraries built the way users build them, the
+instructions asserted in their assembly, their numbers checked against numpy, and the runtime's
+guards (CPU features, AMX permission) exercised for real.
+
+This machine may or may not have the instructions: VNNI kernels run for real where the CPU has
+``avx512_vnni`` (skipped, saying so, where it has not). AMX kernels run for real only on a CPU
+with AMX; elsewhere the same schedules (same packing, blocking and accumulation order) run with
+the plain-loop twins of the tile intrinsics (``schedules.x86_intrin``) on the host, and loading
+the AMX library must raise an error naming the missing feature, never die of SIGILL."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import blockpad as bp
+from blockpad.bench import isa
+from blockpad.codegen.build import make_kernels
+from blockpad.codegen.spec import parse_spec
+from blockpad.codegen.targets import get_target
+from blockpad.runtime import machine
+from blockpad.runtime.library import Signature
+
+HAVE_VNNI = "avx512_vnni" in machine.cpu_features()
+HAVE_AMX = {"amx_tile", "amx_int8", "amx_bf16"} <= machine.cpu_features()
+NO_VNNI = "this CPU has no avx512_vnni: vpdpbusd cannot execute here"
+
+# int8 with channel tails (C=20, K=24 pad to 32), spatial padding read through a guard and from
+# a pre-padded halo, s8 and u8 sources, odd rows (M=19), blocked and plain destinations
+VNNI_SPEC = {"library": {"name": "test-vnni"}, "kernel": [
+    {"name": "conv_s8_pad", "op": "conv2d", "dtype": "int8", "shape": [2, 20, 5, 6],
+     "channels": 24, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
+     "weights": "OIhw4i16o4i", "dst": "nChw16c"},
+    {"name": "conv_s8_halo", "op": "conv2d", "dtype": "int8", "shape": [1, 32, 4, 7],
+     "channels": 16, "kernel": [3, 3], "pad": [1, 1], "weights": "OIhw4i16o4i",
+     "src": {"tag": "nChw16c", "paddings": {"h": [1, 1], "w": [1, 1]}}, "dst": "nChw16c"},
+    {"name": "conv_u8_bias_relu", "op": "conv2d", "dtype": "uint8", "shape": [1, 32, 3, 9],
+     "channels": 16, "kernel": [1, 1], "stride": [1, 2], "src": "nChw16c",
+     "weights": "OIhw4i16o4i", "dst": "nChw16c",
+     "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]},
+    {"name": "mm_u8", "op": "matmul", "dtype": "uint8", "shape": [6, 40], "n": 32, "src": "ab",
+     "weights": "BA16b4a", "dst": "ab"},
+    {"name": "mm_s8_rows19", "op": "matmul", "dtype": "int8", "shape": [19, 64], "n": 48,
+     "src": "ab", "weights": "BA16b4a", "dst": "aB16b"},
+    # not tensorized (fp32, bf16: RegisterTiled): zmm FMAs along the 16-channel block
+    {"name": "conv_f32", "op": "conv2d", "dtype": "float32", "shape": [1, 16, 4, 6],
+     "channels": 16, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
+     "weights": "OIhw16i16o", "dst": "nChw16c"},
+    {"name": "mm_bf16_small", "op": "matmul", "dtype": "bfloat16", "shape": [4, 32], "n": 16,
+     "src": "ab", "weights": "BA16b2a", "dst": "ab"},
+]}
+VNNI_INT8 = ("conv_s8_pad", "conv_s8_halo", "conv_u8_bias_relu", "mm_u8", "mm_s8_rows19")
+
+# AMX: rows and columns multiples of 16, K a multiple of 64 (int8) / 32 (bf16); the nChw16c
+# convolution (16 channels a row, not 64) is left to vpdpbusd in the same library
+AMX_SPEC = {"library": {"name": "test-amx"}, "kernel": [
+    {"name": "mm_u8", "op": "matmul", "dtype": "uint8", "shape": [32, 128], "n": 48,
+     "src": "ab", "weights": "BA16b4a", "dst": "ab"},
+    {"name": "mm_s8", "op": "matmul", "dtype": "int8", "shape": [16, 192], "n": 32,
+     "src": "ab", "weights": "BA16b4a", "dst": "ab", "post_ops": [{"kind": "bias"}]},
+    {"name": "mm_bf16", "op": "matmul", "dtype": "bfloat16", "shape": [32, 96], "n": 32,
+     "src": "ab", "weights": "BA16b2a", "dst": "ab"},
+    {"name": "conv_u8_nhwc", "op": "conv2d", "dtype": "uint8", "shape": [1, 64, 4, 18],
+     "channels": 32, "kernel": [3, 3], "src": "nhwc", "weights": "OIhw16i16o4i",
+     "dst": "nChw16c"},
+    {"name": "conv_s8_blocked", "op": "conv2d", "dtype": "int8", "shape": [1, 20, 5, 6],
+     "channels": 24, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
+     "weights": "OIhw4i16o4i", "dst": "nChw16c"},
+]}
+AMX_TILES = {"mm_u8": "tdpbusd", "mm_s8": "tdpbssd", "mm_bf16": "tdpbf16ps",
+             "conv_u8_nhwc": "tdpbusd"}
+
+
+@pytest.fixture(scope="session")
+def vnni_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("avx512-vnni") / "lib"
+    bp.build(parse_spec(VNNI_SPEC), "avx512-vnni", out, log=lambda m: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def amx_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("amx") / "lib"
+    bp.build(parse_spec(AMX_SPEC), "amx", out, log=lambda m: None)
+    return out
+
+
+def _asm(lib_dir) -> dict:
+    return isa.functions((lib_dir / "source" / "kernels.s").read_text())
+
+
+def _code(funcs, name) -> list:
+    return [l for lines in isa.kernel_code(funcs, name).values() for l in lines]
+
+
+def _has(code, mnemonic) -> bool:
+    return any(l.split()[0] == mnemonic for l in code if l.split())
+
+
+# ---- data and numpy references -------------------------------------------------------------
+
+def _inputs(sig, rng) -> dict:
+    """Memories for every argument: full-range integers (u8 0..255, s8 -128..127: the shift
+    and the compensation of s8 sources must hold at the extremes), a unit scale (so the float
+    destination is the exact int32 accumulator), NaN-filled destinations."""
+    out = {}
+    for name, role, lay, _ in sig.args:
+        dt = bp.layout.numpy_dtype(lay.dtype)
+        if role != "in":
+            out[name] = bp.Memory(lay, np.full(lay.alloc_len, np.nan, dt))
+            continue
+        if name == "scale":
+            a = np.ones(lay.shape, dt)
+        elif dt.kind in "iu":
+            info = np.iinfo(dt)
+            a = rng.integers(info.min, info.max + 1, lay.shape).astype(dt)
+        else:
+            a = rng.standard_normal(lay.shape).astype(dt)
+        out[name] = bp.Memory.from_numpy(a, lay)
+    return out
+
+
+def _reference(sig, args) -> np.ndarray:
+    """The op on numpy: int64 (integer) or float64 products, then scale, bias, relu."""
+    wide = np.int64 if sig.args[0][2].dtype in ("int8", "uint8") else np.float64
+    x, w = (args[n].to_numpy().astype(wide) for n in ("src", "weights"))
+    channel = (slice(None),) if sig.op == "matmul" else (slice(None), None, None)
+    if sig.op == "matmul":
+        acc = x @ w
+    else:
+        (sh, sw), (ph, pw) = sig.params["stride"], sig.params["pad"]
+        kh, kw = w.shape[2:]
+        xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+        oh, ow = (xp.shape[2] - kh) // sh + 1, (xp.shape[3] - kw) // sw + 1
+        acc = sum(np.einsum("nchw,kc->nkhw", xp[:, :, i:i + sh * oh:sh, j:j + sw * ow:sw],
+                            w[:, :, i, j]) for i in range(kh) for j in range(kw))
+    want = acc.astype(np.float64)
+    if "scale" in args:
+        want = want * args["scale"].to_numpy()[channel]
+    post = [p["kind"] for p in sig.params.get("post_ops", [])]
+    if "bias" in post:
+        want = want + args["bias"].to_numpy()[channel]
+    if any(p.get("algorithm") == "relu" for p in sig.params.get("post_ops", [])):
+        want = np.maximum(want, 0)
+    return want
+
+
+def _check(name, sig, args, exact):
+    got, want = args["dst"].to_numpy(), _reference(sig, args)
+    if exact:
+        np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=name)
+    else:   # bf16 products are exact in fp32; only the summation order differs
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=name)
+    pad = args["dst"].buffer[args["dst"].layout.padding_offsets()]
+    assert not pad.size or np.all(pad == 0), f"{name}: destination padding not zero"
+
+
+def _is_exact(sig) -> bool:
+    return sig.args[0][2].dtype in ("int8", "uint8")
+
+
+# ---- targets ----------------------------------------------------------------------------------
+
+def test_targets_list_vnni_and_amx_with_their_features(capsys):
+    from blockpad.cli import main
+
+    assert main(["targets"]) == 0
+    out = capsys.readouterr().out
+    vnni, amx = get_target("avx512-vnni"), get_target("amx")
+    assert (vnni.tvm["mcpu"], amx.tvm["mcpu"]) == ("cascadelake", "sapphirerapids")
+    assert "avx512_vnni" in vnni.features and "amx_tile" not in vnni.features
+    assert {"amx_tile", "amx_int8", "amx_bf16", "avx512_vnni"} <= set(amx.features)
+    for t in (vnni, amx):
+        line = next(l for l in out.splitlines() if l.startswith(t.name + " "))
+        assert line and ", ".join(t.features) in out
+
+
+# ---- avx512-vnni ------------------------------------------------------------------------------
+
+def test_vnni_int8_kernels_are_tensorized_to_vpdpbusd(vnni_dir):
+    funcs = _asm(vnni_dir)
+    for name in VNNI_INT8:
+        code = _code(funcs, name)
+        dots = [l for l in code if l.split() and l.split()[0] == "vpdpbusd"]
+        assert dots and all("zmm" in l for l in dots), f"{name}: no zmm vpdpbusd"
+        # no widening multiply-add chain: the dot product is the instruction itself
+        assert not _has(code, "vpmaddubsw"), name
+    # the hot loop of a register tile: one weight vector feeds every row's vpdpbusd
+    _, m = isa.hot_loop(funcs, "mm_u8", "x86_64")
+    assert m["dot"] >= 6 and m["spills"] == 0, m
+
+
+def test_vnni_fp32_conv_is_16_lane_zmm_fma(vnni_dir):
+    code = _code(_asm(vnni_dir), "conv_f32")
+    fmas = [l for l in code if l.split() and l.split()[0].startswith("vfmadd")]
+    assert fmas and all("zmm" in l for l in fmas)
+
+
+@pytest.mark.skipif(not HAVE_VNNI, reason=NO_VNNI)
+def test_vnni_library_runs_here_and_matches_numpy(vnni_dir, rng):
+    lib = bp.load(vnni_dir)
+    for name, sig in lib.kernels.items():
+        if sig.op not in ("conv2d", "matmul"):
+            continue
+        args = _inputs(sig, rng)
+        lib[name](*[args[a[0]] for a in sig.args])
+        _check(name, sig, args, _is_exact(sig))
+
+
+def _twin(spec_kernel, rule, target):
+    """One kernel of a spec scheduled by ``rule`` (built with the plain-loop intrinsics),
+    compiled for this machine's host ISA, and called like ``Kernel.run_raw``."""
+    import tvm
+
+    kernel = make_kernels(parse_spec({"kernel": [spec_kernel]}).kernels[0])[0]
+    sch = rule.apply(kernel.func, get_target(target))
+    assert sch is not None, f"{spec_kernel['name']}: the {target} rule did not take it"
+    lib = tvm.compile(tvm.IRModule({kernel.name: sch.mod["main"]}),
+                      target=get_target("host").tvm_target())
+    sig = Signature(kernel.describe())
+
+    def run(args):
+        lib[kernel.name](*[args[a.name].physical_view(a.storage) for a in kernel.args])
+    return sig, run
+
+
+def test_vnni_schedule_is_exact_on_any_cpu_with_the_reference_twin(rng):
+    """The same packing, tiling, shift and compensation with the plain-loop twin: what runs
+    where the CPU lacks VNNI (and a check of the schedule where it has it)."""
+    from blockpad.schedules.x86_tensorized import Vnni
+
+    for k in VNNI_SPEC["kernel"][:2]:
+        sig, run = _twin(k, Vnni(reference=True), "avx512-vnni")
+        args = _inputs(sig, rng)
+        run(args)
+        _check(k["name"], sig, args, exact=True)
+
+
+# ---- amx --------------------------------------------------------------------------------------
+
+def test_amx_kernels_use_tiles(amx_dir):
+    funcs = _asm(amx_dir)
+    for name, tile_op in AMX_TILES.items():
+        code = _code(funcs, name)
+        for needed in (tile_op, "tileloadd", "tilestored", "ldtilecfg", "tilezero"):
+            assert _has(code, needed), f"{name}: no {needed}"
+    # a convolution AMX cannot tile (16 channels a row) falls back to vpdpbusd
+    code = _code(funcs, "conv_s8_blocked")
+    assert _has(code, "vpdpbusd") and not _has(code, "tdpbssd")
+
+
+@pytest.mark.parametrize("name", list(AMX_TILES))
+def test_amx_schedule_matches_numpy_with_the_reference_twin(name, rng):
+    from blockpad.schedules.x86_tensorized import Amx
+
+    spec = next(k for k in AMX_SPEC["kernel"] if k["name"] == name)
+    sig, run = _twin(spec, Amx(reference=True), "amx")
+    args = _inputs(sig, rng)
+    run(args)
+    _check(name, sig, args, _is_exact(sig))
+
+
+@pytest.mark.skipif(not HAVE_AMX, reason="this CPU has no AMX (amx_tile, amx_int8, amx_bf16)")
+def test_amx_library_runs_here_and_matches_numpy(amx_dir, rng):
+    lib = bp.load(amx_dir)
+    for name, sig in lib.kernels.items():
+        if sig.op in ("conv2d", "matmul"):
+            args = _inputs(sig, rng)
+            lib[name](*[args[a[0]] for a in sig.args])
+            _check(name, sig, args, _is_exact(sig))
+
+
+@pytest.mark.skipif(HAVE_AMX, reason="this CPU has AMX: the library loads and runs here")
+def test_amx_library_is_refused_here_without_sigill(amx_dir):
+    # a fresh process loads the library and calls a kernel: it must exit with blockpad's
+    # error naming the features, not be killed by an illegal instruction
+    code = (f"import blockpad as bp\n"
+            f"try:\n    lib = bp.load({str(amx_dir)!r})\n"
+            f"except bp.LoadError as e:\n    print(type(e).__name__, e); raise SystemExit(3)\n"
+            f"lib['mm_u8']\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 3, (run.returncode, run.stdout, run.stderr)
+    assert "MissingCPUFeatureError" in run.stdout
+    missing = [f for f in ("amx_tile", "amx_int8", "amx_bf16", "avx512_bf16")
+               if f not in machine.cpu_features()]
+    assert missing and all(f in run.stdout for f in missing), run.stdout
+
+
+# ---- the AMX permission ----------------------------------------------------------------------
+
+def test_amx_permission_request_is_real_and_clear():
+    """The real arch_prctl, no mock: granted where the CPU and kernel have AMX (and then
+    asked once per process), refused with a TilePermissionError that says why elsewhere."""
+    if HAVE_AMX:
+        machine.request_amx()
+        machine.request_amx()
+        assert machine.request_amx.cache_info().hits >= 1
+        return
+    with pytest.raises(machine.TilePermissionError,
+                       match=r"arch_prctl\(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA\).*"
+                             r"(EOPNOTSUPP|ENOTSUP|EINVAL|EPERM)") as err:
+        machine.request_amx()
+    assert isinstance(err.value, bp.LoadError) and isinstance(err.value, bp.BlockpadError)
+
+
+@pytest.mark.skipif(HAVE_AMX, reason="this CPU has AMX: the request is granted here")
+def test_load_asks_for_tiles_before_any_call(amx_dir, monkeypatch):
+    """A CPU that lists AMX in /proc/cpuinfo while Linux refuses the tile state (an old
+    kernel, a sandbox): ``load`` must raise, because the first tile instruction would be
+    SIGILL. The feature list is the only thing faked; the syscall is real and refuses here."""
+    monkeypatch.setattr(machine, "cpu_features",
+                        lambda: frozenset(get_target("amx").features))
+    with pytest.raises(machine.TilePermissionError, match="AMX kernels cannot run"):
+        bp.load(amx_dir)
+
+
+# ---- rules decline what is not theirs ---------------------------------------------------------
+
+def test_rules_leave_other_kernels_to_the_next_rule():
+    from blockpad.schedules.x86_tensorized import Amx, Vnni
+
+    def func(**fields):
+        spec = {"name": "k", "op": "matmul", "src": "ab", "weights": "BA16b4a", "dst": "ab",
+                **fields}
+        return make_kernels(parse_spec({"kernel": [spec]}).kernels[0])[0].func
+
+    s8 = dict(dtype="int8", shape=[16, 64], n=32)
+    assert Vnni().apply(func(**s8), get_target("avx512")) is None         # no avx512_vnni
+    assert Vnni().apply(func(**s8), get_target("avx512-vnni")) is not None
+    assert Vnni().apply(func(dtype="float32", shape=[16, 64], n=32, weights="BA16a16b"),
+                        get_target("avx512-vnni")) is None                  # fp32: not a dot
+    assert Amx().apply(func(**s8), get_target("avx512-vnni")) is None     # no amx_tile
+    assert Amx().apply(func(dtype="int8", shape=[19, 64], n=32), get_target("amx")) is None
+    assert Amx().apply(func(**s8), get_target("amx")) is not None
+
+
+def test_bf16_convolution_is_refused_with_a_spec_error():
+    with pytest.raises(bp.SpecError, match="dtype"):
+        parse_spec({"kernel": [{"op": "conv2d", "dtype": "bfloat16", "shape": [1, 16, 4, 4],
+                                "channels": 16, "src": "nChw16c", "weights": "OIhw16i16o",
+                                "dst": "nChw16c"}]})
+
+
+# ---- the instruction-mix benchmark's parser ----------------------------------------------------
+
+def test_isa_counts_the_hot_loop_of_x86_and_arm_assembly():
+    x86 = isa.innermost_loops([
+        "movl $0, %eax", ".LBB0_1:", "vmovdqu64 (%rsi,%rax), %zmm1", "vpbroadcastd (%rdi), %zmm2",
+        "vpdpbusd %zmm1, %zmm2, %zmm0", "vpdpbusd 64(%rsi), %zmm2, %zmm3",
+        "vmovdqu64 %zmm0, 8(%rsp)", "cmpl $4, 12(%rsp)", "jne .LBB0_1", "retq"])
+    assert len(x86) == 1
+    assert isa.mix(x86[0], "x86_64") == {"instrs": 7, "dot": 2, "loads": 4, "stores": 1,
+                                         "spills": 1}
+    arm = isa.innermost_loops([
+        ".LBB0_2:", "ldr q1, [x1], #16", "ld1r { v2.4s }, [x0]", "sdot v0.4s, v1.16b, v2.16b",
+        "str q0, [sp, #32]", "subs x2, x2, #1", "b.ne .LBB0_2"])
+    assert isa.mix(arm[0], "aarch64") == {"instrs": 6, "dot": 1, "loads": 2, "stores": 1,
+                                          "spills": 1}
+
+
+def test_isa_reports_the_built_libraries(vnni_dir, amx_dir):
+    vnni, amx = _asm(vnni_dir), _asm(amx_dir)
+    where, m = isa.hot_loop(vnni, "conv_s8_halo", "x86_64")
+    assert where == "loop" and m["dot"] >= 7 and m["spills"] == 0, m   # a row of 7 pixels
+    where, m = isa.hot_loop(amx, "mm_bf16", "x86_64")
+    assert m["dot"] >= 1 and m["loads"] >= 3 * m["dot"], m   # A, B and the C tile per multiply
