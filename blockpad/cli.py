@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     p.set_defaults(run=_inspect, kind="tir")
 
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
-    p.add_argument("what", choices=["reorder", "ops", "resnet"])
+    p.add_argument("what", choices=["reorder", "ops", "resnet", "isa"])
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
@@ -102,6 +102,11 @@ def _report(args):
 
 
 def _bench(args):
+    if args.what == "isa":   # instruction mix per target, from the assembly (no hardware)
+        from .bench import isa
+
+        isa.main()
+        return
     if args.what == "resnet":
         from .bench import resnet
 
