@@ -18,7 +18,19 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="host", help="target name (see `blockpad targets`)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument("--tuning-logs", metavar="DIR",
+                   help="tuning records to use instead of the packaged tuning_logs/")
     p.set_defaults(run=_build)
+
+    p = sub.add_parser("tune", help="autotune a spec's kernels into tuning_logs/<target>/")
+    p.add_argument("spec", help="TOML build spec")
+    p.add_argument("--target", default="host", help="target name (see `blockpad targets`)")
+    p.add_argument("--trials", type=int, required=True, help="trials per kernel (at most)")
+    p.add_argument("--out", help="tuning logs folder (default: the packaged tuning_logs/)")
+    p.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on a device of this "
+                   "RPC tracker (targets that cannot run here)")
+    p.add_argument("--rpc-key", metavar="KEY", help="the device key registered with the tracker")
+    p.set_defaults(run=_tune)
 
     p = sub.add_parser("targets", help="list the targets and what each needs")
     p.set_defaults(run=_targets)
@@ -37,7 +49,7 @@ def main(argv=None) -> int:
     p.set_defaults(run=_inspect, kind="tir")
 
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
-    p.add_argument("what", choices=["reorder", "ops", "resnet", "isa"])
+    p.add_argument("what", choices=["reorder", "ops", "resnet", "isa", "conv", "matmul"])
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
@@ -62,9 +74,23 @@ def main(argv=None) -> int:
 
 
 def _build(args):
-    from . import build
+    from .codegen.build import build
 
-    build(args.spec, args.target, args.out, force=args.force)
+    build(args.spec, args.target, args.out, force=args.force, tuning_logs=args.tuning_logs)
+
+
+def _tune(args):
+    from .codegen.tune import Rpc, tune
+
+    rpc = None
+    if args.rpc_tracker or args.rpc_key:
+        rpc = Rpc.parse(args.rpc_tracker or "", args.rpc_key)
+    try:
+        tune(args.spec, args.target, args.trials, args.out, rpc)
+    except KeyboardInterrupt:
+        print("blockpad tune: interrupted; every finished trial is recorded, run the same "
+              "command again to continue", file=sys.stderr)
+        return 130
 
 
 def _targets(args):
@@ -102,6 +128,11 @@ def _report(args):
 
 
 def _bench(args):
+    if args.what in ("conv", "matmul"):
+        from .bench import conv
+
+        conv.main(args.what, repeat=args.repeat, threads=args.threads, quick=args.quick)
+        return
     if args.what == "isa":   # instruction mix per target, from the assembly (no hardware)
         from .bench import isa
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from blockpad.errors import BlockpadError, BuildError
 from blockpad.runtime import manifest as mf
 
+from . import tune
 from .kernel import alias_inplace, make_inplace
 from .ops import OPS
 from .spec import Spec, load_spec
@@ -29,12 +30,15 @@ class BuildResult:
     rebuilt: bool
 
 
-def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildResult:
-    """Build ``spec`` (a path or a parsed Spec) for ``target`` into ``out_dir``."""
+def build(spec, target="host", out_dir="build", force=False, log=None,
+          tuning_logs=None) -> BuildResult:
+    """Build ``spec`` (a path or a parsed Spec) for ``target`` into ``out_dir``, with the best
+    tuning record per kernel from ``tuning_logs`` (default: the packaged tuning_logs)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     target = target if isinstance(target, Target) else get_target(target)
-    key = build_key(spec, target)
+    tuning_logs = tune.default_dir() if tuning_logs is None else Path(tuning_logs)
+    key = build_key(spec, target, tuning_logs)
     out_dir = os.fspath(out_dir)
     if not force and _up_to_date(out_dir, key):
         log(f"{out_dir}: up to date ({len(spec.kernels)} kernels for {target.name}, "
@@ -56,11 +60,20 @@ def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildR
         extra = f" + {len(made) - 1} stage kernel" if len(made) > 1 else ""
         log(f"[{i}/{n}] {req.name}{extra}: generated ({time.perf_counter() - t0:.2f} s)")
     kernels += _runtime_zero_pads(kernels)
-    funcs = {}
+    funcs, tuning = {}, {}
     t0 = time.perf_counter()
+    logs = tune.Logs(tuning_logs, target)
+    for warning in logs.warnings:
+        log(f"warning: {warning}")
+    tvm_target = target.tvm_target()
     for k in kernels:
-        funcs[k.name] = _generate(k.name, lambda: alias_inplace(schedule(k.func, target), k))
+        choice = _generate(k.name, lambda: logs.choose(k.name, k.func, tvm_target))
+        tuning[k.name] = choice.status
+        func = choice.func if choice.func is not None else \
+            _generate(k.name, lambda: schedule(k.func, target))
+        funcs[k.name] = alias_inplace(func, k)
     log(f"scheduled {len(kernels)} kernels for {target.name} ({time.perf_counter() - t0:.2f} s)")
+    _log_tuning(log, tuning, logs.dir)
     n = len(kernels)
 
     log(f"compiling {n} kernels for {target.name} ({target.description}) ...")
@@ -95,7 +108,8 @@ def build(spec, target="host", out_dir="build", force=False, log=None) -> BuildR
         "target": {"name": target.name, "tvm": target.tvm, "arch": target.arch,
                    "features": list(target.features)},
         "policy": spec.policy,
-        "kernels": [k.describe() for k in kernels],
+        "kernels": [{**k.describe(), "tuned": tuning[k.name].pop("tuned"),
+                     "tuning": tuning[k.name]} for k in kernels],
     }
     mf.write(out_dir, manifest)
     size = os.path.getsize(lib_path)
@@ -127,6 +141,16 @@ def _write_sources(out_dir, funcs, lib, target):
         for ext, text in (("cu", cu), ("ptx", cuda_aot.compile_device(cu, cuda_aot.sm(target))[1])):
             with open(os.path.join(src, f"kernels.{ext}"), "w") as f:
                 f.write(text)
+
+
+def _log_tuning(log, tuning, logs_dir):
+    """Which kernels got a tuning record and which the default schedule, and why."""
+    tuned = [f"{n} ({s['mean_us']} us)" for n, s in tuning.items() if s["tuned"]]
+    log(f"tuning records ({logs_dir}): {len(tuned)} of {len(tuning)} kernels tuned"
+        + (f": {', '.join(tuned)}" if tuned else ""))
+    for name, s in tuning.items():
+        if not s["tuned"]:
+            log(f"  {name}: default schedule ({s['reason']})")
 
 
 def make_kernels(req):
@@ -168,9 +192,10 @@ def _runtime_zero_pads(kernels):
     return out
 
 
-def build_key(spec: Spec, target: Target) -> str:
+def build_key(spec: Spec, target: Target, tuning_logs=None) -> str:
     h = hashlib.sha256()
     h.update(spec.digest().encode())
+    h.update(tune.logs_digest(tuning_logs or tune.default_dir(), target).encode())
     h.update(json.dumps([target.name, target.tvm, list(target.features)], sort_keys=True).encode())
     h.update(mf.tvm_version().encode())
     h.update(code_digest().encode())
