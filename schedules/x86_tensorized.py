@@ -99,8 +99,11 @@ class _Nest:
         if self.t is None or self.r is None:
             return
         self.guard = guards[0] if guards else None
-        if self.guard is not None and not self.guard.args[1].same_as(src):
-            return   # a guard around anything but the source read
+        if self.guard is not None and (
+                not self.guard.args[1].same_as(src)       # a guard around anything else
+                or _uses(self.guard.args[0], j_var)       # or one that tests a channel
+                or _uses(self.guard.args[0], self.vars[self.r])):   # (masked padding)
+            return
         self.src_dtype, self.wei_dtype = str(src.source.dtype), str(wei.source.dtype)
         self.ok = True
 
@@ -210,7 +213,9 @@ def _tile_dst(sch, dst, t, rows, cols):
     if cols < v_ext:
         v_outer, v = sch.split(v, [None, cols])
         outer.insert(len(outer) - (rows < t_ext), v_outer)
-    sch.reorder(*outer, t_loop, v)
+    order = (*outer, t_loop, v)
+    if not all(sch.get(a).same_as(sch.get(b)) for a, b in zip(sch.get_loops(dst), order)):
+        sch.reorder(*order)   # only if needed: a predicated dst (padding left alone) refuses it
     fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
     sch.parallel(fused)
     sch.unroll(t_loop)

@@ -46,6 +46,14 @@ VNNI_SPEC = {"library": {"name": "test-vnni"}, "kernel": [
      "weights": "BA16b4a", "dst": "ab"},
     {"name": "mm_s8_rows19", "op": "matmul", "dtype": "int8", "shape": [19, 64], "n": 48,
      "src": "ab", "weights": "BA16b4a", "dst": "aB16b"},
+    # other padding policies: a separate stage zeroes the destination padding; masked reads
+    # of a source whose padding may be garbage (a guard on channels: not a dot product)
+    {"name": "conv_s8_stage", "op": "conv2d", "dtype": "int8", "shape": [1, 20, 3, 5],
+     "channels": 24, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
+     "weights": "OIhw4i16o4i", "dst": "nChw16c", "policy": "dst_stage"},
+    {"name": "conv_s8_masked", "op": "conv2d", "dtype": "int8", "shape": [1, 20, 3, 5],
+     "channels": 24, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
+     "weights": "OIhw4i16o4i", "dst": "nChw16c", "policy": "src"},
     # not tensorized (fp32, bf16: RegisterTiled): zmm FMAs along the 16-channel block
     {"name": "conv_f32", "op": "conv2d", "dtype": "float32", "shape": [1, 16, 4, 6],
      "channels": 16, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
@@ -53,7 +61,8 @@ VNNI_SPEC = {"library": {"name": "test-vnni"}, "kernel": [
     {"name": "mm_bf16_small", "op": "matmul", "dtype": "bfloat16", "shape": [4, 32], "n": 16,
      "src": "ab", "weights": "BA16b2a", "dst": "ab"},
 ]}
-VNNI_INT8 = ("conv_s8_pad", "conv_s8_halo", "conv_u8_bias_relu", "mm_u8", "mm_s8_rows19")
+VNNI_INT8 = ("conv_s8_pad", "conv_s8_halo", "conv_u8_bias_relu", "mm_u8", "mm_s8_rows19",
+             "conv_s8_stage", "conv_s8_masked")
 
 # AMX: rows and columns multiples of 16, K a multiple of 64 (int8) / 32 (bf16); the nChw16c
 # convolution (16 channels a row, not 64) is left to vpdpbusd in the same library
@@ -106,7 +115,8 @@ def _has(code, mnemonic) -> bool:
 def _inputs(sig, rng) -> dict:
     """Memories for every argument: full-range integers (u8 0..255, s8 -128..127: the shift
     and the compensation of s8 sources must hold at the extremes), a unit scale (so the float
-    destination is the exact int32 accumulator), NaN-filled destinations."""
+    destination is the exact int32 accumulator), NaN-filled destinations, garbage in the
+    padding of sources a kernel promises to mask."""
     out = {}
     for name, role, lay, _ in sig.args:
         dt = bp.layout.numpy_dtype(lay.dtype)
@@ -121,6 +131,8 @@ def _inputs(sig, rng) -> dict:
         else:
             a = rng.standard_normal(lay.shape).astype(dt)
         out[name] = bp.Memory.from_numpy(a, lay)
+        if sig.padding and sig.padding["reads"] == "masked" and lay.has_padding:
+            out[name].buffer[lay.padding_offsets()] = 0x7F if dt.kind in "iu" else np.nan
     return out
 
 
@@ -361,6 +373,13 @@ def test_isa_counts_the_hot_loop_of_x86_and_arm_assembly():
         "str q0, [sp, #32]", "subs x2, x2, #1", "b.ne .LBB0_2"])
     assert isa.mix(arm[0], "aarch64") == {"instrs": 6, "dot": 1, "loads": 2, "stores": 1,
                                           "spills": 1}
+    ptx = isa.functions(".visible .entry mm_kernel(\n.param .u64 p\n)\n{\n$L__BB0_1:\n"
+                        "\tld.shared.v4.f32 {%f1, %f2, %f3, %f4}, [%r1];\n"
+                        "\tfma.rn.ftz.f32 %f5, %f1, %f2, %f5;\n\tst.local.f32 [%rd1], %f5;\n"
+                        "\t@%p1 bra $L__BB0_1;\n\tret;\n}\n")
+    loop = isa.innermost_loops(isa.kernel_code(ptx, "mm")["mm_kernel"])
+    assert isa.mix(loop[0], "ptx") == {"instrs": 4, "dot": 1, "loads": 1, "stores": 1,
+                                       "spills": 1}
 
 
 def test_isa_reports_the_built_libraries(vnni_dir, amx_dir):

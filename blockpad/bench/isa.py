@@ -2,17 +2,18 @@
 assembly the build keeps, so that a schedule can be judged on a machine without the hardware.
 
 For every non-host target a small library of convolutions and matmuls is built (fp32, int8,
-bf16 where the target has a unit for it). In each kernel (its entry point and the parallel
-bodies TVM outlines), the innermost loops are found from the backward branches of the
-assembly; the hot loop is the innermost loop with the most dot-product instructions (a kernel
-whose reduction LLVM unrolled whole has none: then the whole kernel is counted, and says so).
-For that loop it prints:
+bf16 where the target has a unit for it; fp32 PTX for CUDA where nvcc is installed). In each
+kernel (its entry point and the parallel bodies TVM outlines; for CUDA its ``.entry``
+kernels), the innermost loops are found from the backward branches; the hot loop is the
+innermost loop with the most dot-product instructions (a kernel whose reduction LLVM unrolled
+whole has none: then the whole kernel is counted, and says so). For that loop it prints:
 
-* ``dot``: vector FMAs and dot products (``vfmadd*``, ``vpdpbusd``, ``tdp*``, ``fmla``,
-  ``sdot``), the work;
+* ``dot``: vector FMAs, dot products and multiply-adds (``vfmadd*``, ``vpdpbusd``,
+  ``vpmadd*``, ``tdp*``, ``fmla``, ``sdot``, ``smlal``, ``fma.rn``, ``mma``), the work;
 * ``loads`` / ``stores``: instructions that read / write memory (a folded load operand counts);
 * ``spills``: loads and stores of vector registers from and to the stack (a register tile
-  that did not fit); scalar stack traffic (loop state kept in the frame) is not counted;
+  that did not fit; PTX: ``.local``); scalar stack traffic (loop state kept in the frame) is
+  not counted;
 * ``dot/load``: the ratio a register-blocked kernel raises (oneDNN's and BLIS's aim); an AMX
   tile multiply does 16 x 16 x 64 int8 products per instruction, so there the ratio is per
   tile load.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 
 from .common import table
@@ -46,38 +48,45 @@ ARM_KERNELS = {
                  "dst": "nChw4c"},
     "conv_s8": {**_CONV, "dtype": "int8", "src": "nChw4c", "weights": "OIhw4o4i",
                 "dst": "nChw4c"},
-    "mm_f32": {**_MM, "dtype": "float32", "src": "ab", "weights": "BA4b", "dst": "ab"},
+    "mm_f32": {**_MM, "dtype": "float32", "src": "ab", "weights": "Ba4b", "dst": "ab"},
     "mm_s8": {**_MM, "dtype": "int8", "src": "ab", "weights": "BA4b4a", "dst": "ab"},
 }
+# CUDA: fp32 only; the fp16/bf16 tensor-core kernels need TVM's own tensor intrinsics, whose
+# import costs a minute (tvm027.md 0.2), too much for a quick look
+CUDA_KERNELS = {k: X86_KERNELS[k] for k in ("conv_f32", "mm_f32")}
 TARGETS = {"avx512": X86_KERNELS, "avx512-vnni": X86_KERNELS, "amx": X86_KERNELS,
-           "neon": ARM_KERNELS, "neon-dotprod": ARM_KERNELS}
+           "neon": ARM_KERNELS, "neon-dotprod": ARM_KERNELS, "cuda-sm80": CUDA_KERNELS}
 
-_DOT = re.compile(r"^(v?fn?madd\w*|vpdp\w+|vdpbf16ps|tdp\w+|fmla|sdot|udot|smmla|ummla|bfdot"
-                  r"|bfmmla)$")
+_DOT = re.compile(r"^(v?fn?madd\w*|vpdp\w+|vpmadd\w+|vdpbf16ps|tdp\w+|fmla|[su]mlal2?|mla"
+                  r"|sdot|udot|smmla|ummla|bfdot|bfmmla|fma\.rn\S*|w?mma\S*)$")
 _X86_MEM = re.compile(r"\((%\w+)?(,|\))")
 _ARM_LOAD = re.compile(r"^(ld[1-4]r?|ldr\w*|ldp\w*|ldur\w*)$")
 _ARM_STORE = re.compile(r"^(st[1-4]|str\w*|stp\w*|stur\w*)$")
-_BRANCH = re.compile(r"^(j\w+|b|b\.\w+|cbn?z|tbn?z)$")
+_BRANCH = re.compile(r"^(j\w+|b|b\.\w+|cbn?z|tbn?z|bra(\.uni)?)$")
 
 
 def functions(asm: str) -> dict:
     """``{function: [line, ...]}``: each function's labels (``.LBB0_3:``) and instructions,
-    directives dropped."""
+    directives and comments dropped. Takes CPU assembly and PTX (``.entry`` kernels)."""
     funcs, current = {}, None
     for line in asm.splitlines():
-        m = re.match(r"\s*\.type\s+([^,]+),@function", line)
+        m = re.match(r"\s*\.type\s+([^,]+),@function", line) or \
+            re.match(r"\s*(?:\.visible\s+)?\.entry\s+(\w+)", line)
         if m:
             current = funcs.setdefault(m.group(1), [])
         elif current is not None:
-            s = line.strip()
-            if re.match(r"^[.\w$]+:", s) or (line.startswith("\t") and s and not s.startswith(".")):
-                current.append(re.sub(r"(//|\s#\s|^#\s).*$", "", s).strip())
+            s = re.sub(r"(//|\s#\s|^#\s).*$", "", line.strip()).strip().rstrip(";").strip()
+            if re.match(r"^[.\w$]+:", s) or (line[:1].isspace() and s and s[0] not in ".{}(),"):
+                current.append(s)
     return funcs
 
 
 def kernel_code(funcs: dict, kernel: str) -> dict:
     """The functions of ``kernel``: its entry point and every function it reaches (parallel
-    bodies), not the error helpers kernels share."""
+    bodies), not the error helpers kernels share; for PTX, its ``<kernel>_kernel*`` entries."""
+    if any(f.startswith(f"{kernel}_kernel") for f in funcs):
+        return {f: lines for f, lines in funcs.items()
+                if re.fullmatch(rf"{re.escape(kernel)}_kernel(_\d+)?", f)}
     seen, todo = {}, [f"__tvm_ffi_{kernel}"]
     while todo:
         f = todo.pop()
@@ -85,7 +94,8 @@ def kernel_code(funcs: dict, kernel: str) -> dict:
             continue
         seen[f] = funcs[f]
         text = "\n".join(funcs[f])
-        todo += [g for g in funcs if g not in seen and re.search(rf"[\s,:]{re.escape(g)}(?![\w.])", text)]
+        todo += [g for g in funcs if g not in seen
+                 and re.search(rf"[\s,:]{re.escape(g)}(?![\w.])", text)]
     return seen
 
 
@@ -95,7 +105,7 @@ def innermost_loops(lines: list) -> list:
     labels = {l[:-1]: i for i, l in enumerate(lines) if l.endswith(":")}
     loops = []
     for i, line in enumerate(lines):
-        parts = line.split()
+        parts = [p for p in line.split() if not p.startswith("@")]   # PTX: @%p bra
         if len(parts) >= 2 and _BRANCH.match(parts[0]):
             target = parts[-1].split(",")[-1]
             if target in labels and labels[target] < i:
@@ -111,7 +121,7 @@ def mix(instrs: list, arch: str) -> dict:
     out = {"instrs": len(instrs), "dot": 0, "loads": 0, "stores": 0, "spills": 0}
     for ins in instrs:
         op, rest = (ins.split(None, 1) + [""])[:2]
-        if _DOT.match(op):
+        if _DOT.match(op.split("@")[-1]):
             out["dot"] += 1
         if arch == "x86_64":
             operands = _split_operands(rest)
@@ -128,6 +138,16 @@ def mix(instrs: list, arch: str) -> dict:
                 out["stores"] += 1         # ...and the last one written
             out["spills"] += any(re.search(r"\(%(rsp|rbp)\b", operands[i]) for i in mem) and \
                 bool(re.search(r"%[xyzt]mm", rest))
+        elif arch == "ptx":
+            if op.startswith("@"):
+                op, rest = (rest.split(None, 1) + [""])[:2]
+            if op.startswith("ld.") and not op.startswith("ld.param"):
+                out["loads"] += 1
+            elif op.startswith("st."):
+                out["stores"] += 1
+            else:
+                continue
+            out["spills"] += ".local" in op
         else:
             if _ARM_LOAD.match(op):
                 out["loads"] += 1
@@ -181,11 +201,12 @@ def measure(target: str, out_dir: str) -> list:
     kernels = [{"name": name, **fields} for name, fields in TARGETS[target].items()]
     build.build(parse_spec({"library": {"name": f"isa-{target}"}, "kernel": kernels}), t,
                 out_dir, log=lambda m: None)
-    with open(os.path.join(out_dir, "source", "kernels.s")) as f:
+    gpu = t.family == "cuda"
+    with open(os.path.join(out_dir, "source", "kernels.ptx" if gpu else "kernels.s")) as f:
         funcs = functions(f.read())
     rows = []
     for k in kernels:
-        where, m = hot_loop(funcs, k["name"], t.arch)
+        where, m = hot_loop(funcs, k["name"], "ptx" if gpu else t.arch)
         ratio = f"{m['dot'] / m['loads']:.2f}" if m["loads"] else "-"
         rows.append([f"{target} {k['name']}", where, m["instrs"], m["dot"], m["loads"],
                      m["stores"], m["spills"], ratio])
@@ -197,6 +218,9 @@ def main(out_dir=None, targets=None):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for target in targets:
+            if target.startswith("cuda") and shutil.which("nvcc") is None:
+                print(f"{target}: skipped, nvcc is not installed (it compiles the PTX)")
+                continue
             rows += measure(target, os.path.join(out_dir or tmp, target))
     print("instruction mix of each kernel's hot loop (innermost loop with the most dot "
           "instructions), from the generated assembly")
