@@ -5,7 +5,8 @@
   for s8 sources (blockpad's int8 ops take s8 x s8), exact through a shift and a compensation;
 * every buffer aligned to its element only: blockpad's kernel parameters promise no more;
 * ``amx_u8s8s32_16x16x64`` / ``amx_s8s8s32_16x16x64`` / ``amx_bf16f32_16x16x32``: one AMX
-  tile multiply (``tdpbusd``, ``tdpbssd``, ``tdpbf16ps``) and ``amx_cfg_zero_*``, which loads
+  tile multiply (``tdpbusd``, ``tdpbssd``, ``tdpbf16ps``), or ``n`` of them along the reduction
+  with the accumulator kept in its tile (``amx_multiply``), and ``amx_cfg_zero_*``, which loads
   the tile configuration and zeroes the accumulator tile. Tile configuration is per thread, so it lives in the tensorized init block,
   which runs on the same pool thread as the updates that follow it.
 
@@ -97,20 +98,25 @@ def _bf16(x):
     return T.cast(T.reinterpret(x, dtype="bfloat16"), "float32")
 
 
-def _amx_desc(src, scope):
-    acc = "float32" if src == "uint16" else "int32"
-    step = 2 if src == "uint16" else 4
-    kt = 64 // (4 // step)  # reduction steps per tile row of 64 bytes: 64 int8, 32 bf16
-    wei = "uint16" if src == "uint16" else "int8"
+def _amx_shape(src, tiles):
+    """(accumulator, weight dtype, elements per 4 bytes, reduction length, element bytes) of
+    ``tiles`` tile multiplies of ``src`` (uint16: bf16 bits)."""
+    if src == "uint16":
+        return "float32", "uint16", 2, 32 * tiles, 2
+    return "int32", "int8", 4, 64 * tiles, 1
+
+
+def _amx_desc(src, scope, tiles=1):
+    acc, wei, step, kt, _ = _amx_shape(src, tiles)
     elem = _bf16 if src == "uint16" else (lambda x: T.cast(x, "int32"))
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (16, kt), src, offset_factor=1, align=1)
-        B = T.match_buffer(b, (16, 16, step), wei, offset_factor=1, align=1)
+        B = T.match_buffer(b, (kt // step, 16, step), wei, offset_factor=1, align=1)
         C = T.match_buffer(c, (16, 16), acc, offset_factor=1, align=1, scope=scope)
         with T.sblock("root"):
-            T.reads(C[0:16, 0:16], A[0:16, 0:kt], B[0:16, 0:16, 0:step])
+            T.reads(C[0:16, 0:16], A[0:16, 0:kt], B[0:kt // step, 0:16, 0:step])
             T.writes(C[0:16, 0:16])
             for i, j, k in T.grid(16, 16, kt):
                 with T.sblock("update"):
@@ -122,12 +128,11 @@ def _amx_desc(src, scope):
 _AMX_INSTR = {"uint8": "llvm.x86.tdpbusd", "int8": "llvm.x86.tdpbssd", "uint16": "llvm.x86.tdpbf16ps"}
 
 
-def _amx_impl(src, scope):
-    acc = "float32" if src == "uint16" else "int32"
-    step = 2 if src == "uint16" else 4
-    kt = 64 // (4 // step)
-    wei = "uint16" if src == "uint16" else "int8"
-    size = 2 if src == "uint16" else 1
+def _amx_impl(src, scope, tiles=1):
+    """The accumulator tile is loaded once, multiplied by ``tiles`` consecutive (A, B) tile
+    pairs along the reduction, and stored once: the round trip through memory is paid per
+    ``tiles`` multiplies, not per multiply."""
+    acc, wei, step, kt, size = _amx_shape(src, tiles)
     instr = _AMX_INSTR[src]
 
     @T.prim_func(s_tir=True)
@@ -136,15 +141,16 @@ def _amx_impl(src, scope):
         sb = T.int32()
         sc = T.int32()
         A = T.match_buffer(a, (16, kt), src, offset_factor=1, align=1, strides=[sa, 1])
-        B = T.match_buffer(b, (16, 16, step), wei, offset_factor=1, align=1, strides=[sb, step, 1])
+        B = T.match_buffer(b, (kt // step, 16, step), wei, offset_factor=1, align=1, strides=[sb, step, 1])
         C = T.match_buffer(c, (16, 16), acc, offset_factor=1, align=1, strides=[sc, 1], scope=scope)
         with T.sblock("root"):
-            T.reads(C[0:16, 0:16], A[0:16, 0:kt], B[0:16, 0:16, 0:step])
+            T.reads(C[0:16, 0:16], A[0:16, 0:kt], B[0:kt // step, 0:16, 0:step])
             T.writes(C[0:16, 0:16])
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(0), C.access_ptr("r"), T.int64(sc * 4)))
-            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(1), A.access_ptr("r"), T.int64(sa * size)))
-            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(2), B.access_ptr("r"), T.int64(sb * size)))
-            T.evaluate(T.call_llvm_intrin("void", instr, T.int8(0), T.int8(1), T.int8(2)))
+            for t in range(tiles):
+                T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(1), A.access_ptr("r", offset=t * (kt // tiles)), T.int64(sa * size)))
+                T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(2), B.access_ptr("r", offset=t * 16 * sb), T.int64(sb * size)))
+                T.evaluate(T.call_llvm_intrin("void", instr, T.int8(0), T.int8(1), T.int8(2)))
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(0), C.access_ptr("w"), T.int64(sc * 4)))
     return impl
 
@@ -214,6 +220,24 @@ def register() -> None:
 
 def _full(base: str, scope: str) -> str:
     return base if scope == "global" else f"{base}_{scope}"
+
+
+def amx_multiply(base: str, tiles: int, reference: bool, scope: str = "global") -> str:
+    """``base`` (``AMX_INT8``, ``AMX_S8``, ``AMX_BF16``) over ``tiles`` tile multiplies along
+    the reduction at once, registered on first use (the reduction length is a kernel's)."""
+    if tiles == 1:
+        return name(base, reference, scope)
+    return _register_tiles(base, tiles, scope) + ("_ref" if reference else "")
+
+
+@functools.cache
+def _register_tiles(base: str, tiles: int, scope: str) -> str:
+    desc, impl, dtype = _MAKERS[base]
+    full = f"{_full(base, scope)}_x{tiles}"
+    d = desc(dtype, scope, tiles)
+    TensorIntrin.register(full, d, impl(dtype, scope, tiles))
+    TensorIntrin.register(full + "_ref", d, d)
+    return full
 
 
 def name(intrin: str, reference: bool, scope: str = "global") -> str:

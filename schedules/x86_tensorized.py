@@ -20,9 +20,11 @@ predicate of the update: a step that would read outside the image is skipped, wh
 the zero it would have read.
 
 ``Amx`` (targets with ``amx_tile``): 16 x 16 output tiles, 64 int8 (``tdpbusd`` / ``tdpbssd``)
-or 32 bf16 (``tdpbf16ps``) reduction steps per tile multiply, the accumulator tile in a
-per-tile scratch that the epilogue reads; the tensorized init loads the tile configuration on
-the thread that runs the tile (it is per thread). Rows are source rows 64 bytes apart or more
+or 32 bf16 (``tdpbf16ps``) reduction steps per tile multiply. All of loop ``r`` is one
+intrinsic (``x86_intrin.amx_multiply``): the accumulator tile is loaded from its per-tile
+scratch once, multiplied along the whole of ``r``, stored once (per filter tap for a
+convolution), and the epilogue reads the scratch. The tensorized init loads the tile
+configuration on the thread that runs the tile (it is per thread). Rows are source rows 64 bytes apart or more
 with a constant stride: matmul rows, or convolution output pixels of a channels-last source
 (``nhwc``) with 64 channels per row. Guarded (spatially padded) reads are left to ``Vnni``.
 
@@ -165,14 +167,15 @@ class Amx:
         kind = self.KINDS.get((nest.src_dtype, nest.wei_dtype, nest.acc_dtype))
         if kind is None or nest.guard is not None:
             return False
-        multiply, zero, steps = kind
-        if nest.extents[nest.n_sp - 1] % 16 or nest.extents[nest.t] % 16 or \
-                nest.extents[nest.r] % steps:
+        multiply, zero, per_tile = kind
+        steps = nest.extents[nest.r]   # the whole of r: one accumulator round trip per tile
+        if nest.extents[nest.n_sp - 1] % 16 or nest.extents[nest.t] % 16 or steps % per_tile:
             return False
         outer = _tile_dst(sch, dst, nest.t, 16, 16)
         update, init = _tile_acc(sch, acc, nest, outer, steps)
         sch.tensorize(sch.get_loops(init)[-2], xi.name(zero, self.reference, "local"))
-        sch.tensorize(sch.get_loops(update)[-3], xi.name(multiply, self.reference, "local"))
+        sch.tensorize(sch.get_loops(update)[-3], xi.amx_multiply(
+            multiply, steps // per_tile, self.reference, "local"))
         return True
 
 

@@ -260,6 +260,14 @@ def test_amx_kernels_use_tiles(amx_dir):
         code = _code(funcs, name)
         for needed in (tile_op, "tileloadd", "tilestored", "ldtilecfg", "tilezero"):
             assert _has(code, needed), f"{name}: no {needed}"
+    # matmul: the accumulator tile is loaded and stored once per output tile (and zeroed by
+    # tilezero + a store), whatever K: A and B are the only loads per multiply
+    for name in ("mm_u8", "mm_s8", "mm_bf16"):
+        code = [l.split()[0] for l in _code(funcs, name) if l.split()]
+        dots = sum(op.startswith("tdp") for op in code)
+        tiles = code.count("tilezero")
+        assert code.count("tileloadd") == 2 * dots + tiles, name
+        assert code.count("tilestored") == 2 * tiles, name
     # a convolution AMX cannot tile (16 channels a row) falls back to vpdpbusd
     code = _code(funcs, "conv_s8_blocked")
     assert _has(code, "vpdpbusd") and not _has(code, "tdpbssd")
