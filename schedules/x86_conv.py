@@ -27,60 +27,122 @@ wrong. It returns None (generic fallback) only if a schedule primitive refuses t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import tvm
 import tvm_ffi
-from tvm import s_tir, tirx
+from tvm import s_tir, te, tirx
+from tvm.sym.analyzer import Analyzer
 
 from .common import op_of, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
-LOAD_REGS = 4      # vector registers kept for weight vectors and the broadcast source element
+_IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
+LOAD_REGS = 3      # vector registers kept for weight vectors and the broadcast source element
 SPATIAL, REDUCE = 0, 2   # IterVar types
+UNROLL = 16        # the innermost reduction loop is unrolled up to this many steps
+
+
+@dataclass(frozen=True)
+class Config:
+    """One variant of the micro-kernel: ``mr`` x ``nr`` accumulators (``nr`` elements of the
+    vector dim in vectors of ``lanes``, ``mr`` steps of the dim outside it), and whether the
+    innermost reduction loop (the source's channel block) is unrolled."""
+
+    mr: int
+    nr: int
+    lanes: int
+    unroll: bool = True
 
 
 class RegisterTiled:
     ops = ("conv2d", "matmul")
 
     def apply(self, func, target):
+        configs = self.configs(func, target)
+        return _schedule(func, target, configs[0]) if configs else None
+
+    def space(self, func, target) -> list:
+        """Complete, valid schedules of ``func``, the first one ``apply``'s: the design spaces
+        ``schedules/space.py`` hands MetaSchedule (register tile shapes, one or two vectors of
+        columns, unrolled or rolled channel loop)."""
+        out = []
+        for cfg in self.configs(func, target):
+            sch = _schedule(func, target, cfg)
+            if sch is not None:
+                out.append(sch)
+        return out
+
+    def configs(self, func, target) -> list:
+        """The default Config first, then its neighbours; [] if ``func`` is not this rule's."""
         if op_of(func) not in self.ops:
-            return None
-        sch = s_tir.Schedule(_unpredicated(func, "acc"))
-        try:
-            acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
-            stages = [b for b in root_blocks(sch) if sch.get(b).name_hint not in ("acc", "dst")]
-            if not _tile(sch, acc, dst, target):
-                return None
-            for block in stages:   # a spatial padding stage, if the kernel has one
-                spatial_parallel_vectorize(sch, block, target)
-        except s_tir.ScheduleError:
-            return None
-        return sch
+            return []
+        shape = _nest_shape(func)
+        if shape is None:
+            return []
+        t_extent, v_extent, dtype, predicated = shape
+        lanes = vector_lanes(target, dtype)
+        regs = 32 if "avx512f" in target.features else 16
+        widths = [v_extent] if predicated else _tile_widths(v_extent, lanes)
+        out = []
+        for nr in widths:
+            vecs = -(-nr // lanes)
+            most = max(1, (regs - LOAD_REGS) // vecs)
+            busy = -(-(3 * regs // 4) // vecs)
+            out += [Config(mr, nr, lanes) for mr in _tile_heights(t_extent, most, busy)]
+        out.sort(key=lambda c: (-round(_tile_score(c, t_extent, v_extent, lanes, regs), 3),
+                                -c.nr))
+        out.append(Config(out[0].mr, out[0].nr, lanes, unroll=False))
+        return out
 
 
-def _tile(sch, acc, dst, target) -> bool:
-    """Tile ``dst`` and compute ``acc`` per tile as the register-tiled micro-kernel. False if
-    the nest does not fit the kernel's shape (nothing changed then)."""
+def _schedule(func, target, cfg: Config):
+    sch = s_tir.Schedule(_whole_tiles(_staged_source(_unpredicated(func, "acc")),
+                                      cfg.mr, cfg.nr))
+    try:
+        acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
+        stages = [b for b in root_blocks(sch) if sch.get(b).name_hint not in ("acc", "dst")]
+        _tile(sch, acc, dst, cfg)
+        for block in stages:   # a spatial padding stage, if the kernel has one
+            spatial_parallel_vectorize(sch, block, target)
+    except s_tir.ScheduleError:
+        return None
+    return sch
+
+
+def _nest_shape(func):
+    """(extent of the register-tile dim, of the vector dim, accumulator dtype, whether the
+    destination stage is predicated) or None if the nest is not the kernel's shape."""
+    sch = s_tir.Schedule(func)
+    try:
+        acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
+    except s_tir.ScheduleError:
+        return None
     block = sch.get(acc)
     kinds = [int(iv.iter_type) for iv in block.iter_vars]
     n_sp, n_red = kinds.count(SPATIAL), kinds.count(REDUCE)
     loops = sch.get_loops(dst)
-    extents = [int(sch.get(l).extent) for l in loops]
     if n_sp < 2 or kinds != [SPATIAL] * n_sp + [REDUCE] * n_red or len(loops) != n_sp:
-        return False
-    lanes = vector_lanes(target, str(block.writes[0].source.dtype))
+        return None
+    extents = [int(sch.get(l).extent) for l in loops]
     # a predicated block (the valid plan's) can be split but not reordered: its columns stay whole
     pred = _realize(sch, dst).predicate
     predicated = not (isinstance(pred, tirx.IntImm) and pred.value == 1)
-    nr = extents[-1] if predicated else _tile_width(extents[-1], lanes)
-    regs = 32 if "avx512f" in target.features else 16
-    mr = max(1, min(extents[-2], (regs - LOAD_REGS) // -(-nr // lanes)))
+    return extents[-2], extents[-1], str(block.writes[0].source.dtype), predicated
 
+
+def _tile(sch, acc, dst, cfg: Config):
+    """Tile ``dst`` in ``mr x nr`` tiles and compute ``acc`` per tile as the register-tiled
+    micro-kernel."""
+    block = sch.get(acc)
+    n_red = sum(1 for iv in block.iter_vars if int(iv.iter_type) == REDUCE)
+    loops = sch.get_loops(dst)
+    v_extent = int(sch.get(loops[-1]).extent)
     *outer, t, v = loops                   # dst in tiles of mr x nr, column panels outermost
-    t_outer, t = sch.split(t, [None, mr])
-    if nr < extents[-1]:
-        v_outer, v = sch.split(v, [None, nr])
+    t_outer, t = sch.split(t, [None, cfg.mr])
+    if cfg.nr < v_extent:
+        v_outer, v = sch.split(v, [None, cfg.nr])
         outer.append(v_outer)
         sch.reorder(*outer, t_outer, t, v)
     outer.append(t_outer)
@@ -96,13 +158,206 @@ def _tile(sch, acc, dst, target) -> bool:
     sch.reorder(*reduce, at, av)
     sch.set_scope(acc, 0, "local")
     sch.parallel(sch.fuse(*outer))
+    if cfg.unroll:   # a short innermost reduction loop whole; a long one (matmul's k) by 8
+        inner = reduce[-1]
+        if int(sch.get(inner).extent) > UNROLL:
+            reduce[-1:] = sch.split(inner, [None, math.gcd(UNROLL, int(sch.get(inner).extent))])
+            sch.reorder(*reduce, at, av)
+        sch.unroll(reduce[-1])
     sch.unroll(at)
-    sch.vectorize(av)                      # before decompose_reduction (tvm027.md 1a)
+    _vectors(sch, av, cfg.lanes)           # before decompose_reduction (tvm027.md 1a)
     init = sch.decompose_reduction(acc, reduce[0])
     for b, (bt, bv) in ((init, sch.get_loops(init)[-2:]), (dst, (t, v))):
         sch.unroll(bt)
-        sch.vectorize(bv)
+        _vectors(sch, bv, cfg.lanes)
+
+
+def _vectors(sch, loop, lanes):
+    """Vectorise ``loop`` one register at a time: a single vector over two blocks of a
+    blocked dim (32 columns of ``Ba16b`` weights) would be a gather."""
+    if int(sch.get(loop).extent) > lanes:
+        outer, loop = sch.split(loop, [None, lanes])
+        sch.unroll(outer)
+    sch.vectorize(loop)
+
+
+def _staged_source(func):
+    """``func`` with the guarded reads of its convolution window (``if_then_else(in_image,
+    src[...], 0)``, spatial padding fused) taken from a copy of the source with a zero halo,
+    made by a stage of the kernel: the guards cost a branch per broadcast element in the hot
+    loop; the copy costs one pass over the source. Only guards that are exactly the buffer's
+    bounds are staged (a ``masked`` read of channel padding stays a guard), so the numbers do
+    not change. ``func`` itself if it has no such reads."""
+    realizes = []
+    tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
+    acc = next((r.block for r in realizes if r.block.name_hint == "acc"), None)
+    if acc is None:
+        return func
+    calls = []
+    tvm_ffi.structural_map(acc.body, (tvm.ir.expr.Call, lambda c: calls.append(c) or c))
+    guarded = [c for c in calls if c.op.same_as(_IF_THEN_ELSE) and _is_load(c.args[1])
+               and _is_zero(c.args[2])]
+    params = list(func.params)
+    if len(guarded) != 1 or not any(guarded[0].args[1].source.same_as(p) for p in params):
+        return func
+    cond, load = guarded[0].args[0], guarded[0].args[1]
+    buf, idx = load.source, list(load.indices)
+    shape = [int(s) for s in buf.ty.shape]
+    ana = Analyzer()
+    for iv in acc.iter_vars:
+        ana.bind(iv.var, iv.dom)
+    lo, hi = [0] * len(shape), [0] * len(shape)
+    for term in _conjuncts(cond):
+        side = _bound_side(ana, term, idx, shape)
+        if side is None:
+            return func
+        d, upper = side
+        b = ana.const_int_bound(idx[d])
+        if upper:
+            hi[d] = max(hi[d], b.max_value - shape[d] + 1)
+        else:
+            lo[d] = max(lo[d], -b.min_value)
+    padded = [s + a + b for s, a, b in zip(shape, lo, hi)]
+    dtype = str(buf.ty.dtype)
+    ph = te.placeholder(shape, dtype, "src")
+
+    def value(*p):
+        inside = [tirx.all(p[d] >= lo[d], p[d] < lo[d] + shape[d])
+                  for d in range(len(shape)) if lo[d] or hi[d]]
+        return tirx.if_then_else(tirx.all(*inside), ph(*[x - a for x, a in zip(p, lo)]),
+                                 tirx.const(0, dtype))
+
+    stage_func = te.create_prim_func([ph, te.compute(padded, value, name="src_pad")])
+    staged = tirx.decl_buffer(padded, dtype, "src_pad")
+    rename = {stage_func.params[0]: buf, stage_func.params[1]: staged}
+    stage = tvm_ffi.structural_map(
+        stage_func.body.block.body,
+        (tirx.Var, lambda v: next((n for o, n in rename.items() if o.same_as(v)), v)))
+    shifted = tirx.BufferLoad(staged, [x + a for x, a in zip(idx, lo)])
+
+    def swap_call(c):
+        return shifted if c.same_as(guarded[0]) else c
+
+    def swap_block(realize):
+        blk = realize.block
+        if blk.name_hint != "acc":
+            return realize
+        body = tvm_ffi.structural_map(blk.body, (tvm.ir.expr.Call, swap_call))
+        reads = [tirx.BufferRegion(staged, [tvm.ir.Range.from_min_extent(r.min + a, r.extent)
+                                            for r, a in zip(reg.region, lo)])
+                 if reg.source.same_as(buf) else reg for reg in blk.reads]
+        blk = s_tir.SBlock(blk.iter_vars, reads, blk.writes, blk.name_hint, body, blk.init,
+                           blk.alloc_buffers, blk.match_buffers, blk.annotations)
+        return s_tir.SBlockRealize(realize.iter_values, realize.predicate, blk)
+
+    body = tvm_ffi.structural_map(func.body.block.body, (s_tir.SBlockRealize, swap_block))
+    root = func.body.block
+    stmts = list(body) if isinstance(body, tirx.SeqStmt) else [body]
+    root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
+                        tirx.SeqStmt([stage, *stmts]), root.init,
+                        [*root.alloc_buffers, staged], root.match_buffers, root.annotations)
+    return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
+
+
+def _whole_tiles(func, mr, nr):
+    """``func`` with the ``acc`` stage computed over whole ``mr x nr`` tiles: its register-tile
+    dim rounded up to ``mr`` (the extra rows read the last real row: clamped, in bounds) and
+    its vector dim to ``nr`` where every source read stays inside its buffer (a blocked
+    layout's padding), so the hot loop has no predicated tail; only the destination stage,
+    outside the reduction, keeps the predicate. ``acc`` is the kernel's own scratch: what the
+    extra rows and columns hold is never stored."""
+    realizes = []
+    tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
+    realize = next(r for r in realizes if r.block.name_hint == "acc")
+    blk = realize.block
+    n_sp = sum(1 for iv in blk.iter_vars if int(iv.iter_type) == SPATIAL)
+    acc_buf = blk.writes[0].source
+    ext = [int(iv.dom.extent) for iv in blk.iter_vars]
+    new = list(ext)
+    t, v = n_sp - 2, n_sp - 1
+    new[t] = -(-ext[t] // mr) * mr
+    new[v] = -(-ext[v] // nr) * nr
+    t_var = blk.iter_vars[t].var
+    clamp = tirx.min(t_var, ext[t] - 1)
+
+    def clamped(load):
+        if load.source.same_as(acc_buf):
+            return load
+        return tirx.BufferLoad(load.source, [tvm_ffi.structural_map(
+            i, (tirx.Var, lambda x: clamp if x.same_as(t_var) else x)) for i in load.indices])
+
+    body = tvm_ffi.structural_map(blk.body, (tvm.ir.expr.TensorLoad, clamped))
+    if new[v] != ext[v] and not _in_bounds(blk, body, acc_buf, new):
+        new[v] = ext[v]
+    if new == ext:
+        return func
+    loop_ext = {realize.iter_values[d]: (ext[d], new[d]) for d in range(n_sp)
+                if new[d] != ext[d]}
+    reads = [tirx.BufferRegion(r.source, [
+        tvm.ir.Range.from_min_extent(tvm_ffi.structural_map(
+            x.min, (tirx.Var, lambda y: clamp if y.same_as(t_var) else y)), x.extent)
+        for x in r.region]) if not r.source.same_as(acc_buf) else r for r in blk.reads]
+    iter_vars = [tirx.IterVar(tvm.ir.Range(0, n), iv.var, iv.iter_type)
+                 for iv, n in zip(blk.iter_vars, new)]
+    blk = s_tir.SBlock(iter_vars, reads, blk.writes, blk.name_hint, body, blk.init,
+                       blk.alloc_buffers, blk.match_buffers, blk.annotations)
+    grown = tirx.decl_buffer([*new[:n_sp]], str(acc_buf.ty.dtype), "acc")
+
+    def swap_realize(r):
+        if r.block.name_hint == "acc":
+            return s_tir.SBlockRealize(r.iter_values, r.predicate, blk)
+        return r
+
+    def swap_loop(loop):
+        for var, (old, n) in loop_ext.items():
+            if loop.loop_var.same_as(var) and int(loop.extent) == old:
+                return tirx.For(loop.loop_var, loop.min, n, loop.kind, loop.body,
+                                loop.thread_binding, loop.annotations)
+        return loop
+
+    func = tvm_ffi.structural_map(func, [(s_tir.SBlockRealize, swap_realize), (tirx.For, swap_loop)])
+    return tvm_ffi.structural_map(func, (tirx.Var, lambda x: grown if x.same_as(acc_buf) else x))
+
+
+def _in_bounds(blk, body, acc_buf, extents) -> bool:
+    """Whether every source read of ``body`` stays inside its buffer over ``extents``."""
+    ana = Analyzer()
+    for iv, n in zip(blk.iter_vars, extents):
+        ana.bind(iv.var, tvm.ir.Range(0, n))
+    loads = []
+    tvm_ffi.structural_map(body, (tvm.ir.expr.TensorLoad, lambda l: loads.append(l) or l))
+    for load in loads:
+        if load.source.same_as(acc_buf):
+            continue
+        for i, n in zip(load.indices, load.source.ty.shape):
+            b = ana.const_int_bound(i)
+            if b.min_value < 0 or b.max_value >= int(n):
+                return False
     return True
+
+
+def _conjuncts(cond):
+    if isinstance(cond, tirx.And):
+        return _conjuncts(cond.a) + _conjuncts(cond.b)
+    return [cond]
+
+
+def _bound_side(ana, term, idx, shape):
+    """``(d, upper)`` if ``term`` is ``idx[d] < shape[d]`` (upper) or ``idx[d] >= 0``."""
+    t = ana.simplify(term)
+    for d, x in enumerate(idx):
+        for upper, bound in ((False, x >= 0), (True, x < shape[d])):
+            if tvm_ffi.structural_equal(t, ana.simplify(bound)):
+                return d, upper
+    return None
+
+
+def _is_load(e):
+    return isinstance(e, tvm.ir.expr.TensorLoad)
+
+
+def _is_zero(e):
+    return isinstance(e, (tirx.IntImm, tirx.FloatImm)) and e.value == 0
 
 
 def _unpredicated(func, name):
@@ -118,14 +373,39 @@ def _unpredicated(func, name):
     return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, drop))
 
 
-def _tile_width(width: int, lanes: int) -> int:
-    """Columns of the register tile: all of ``width`` up to two vectors; else two vectors or
-    one where they divide it; else a divisor between one and two vectors (the second one
-    partial, no tail); else one vector and a predicated tail."""
+def _tile_score(cfg: Config, t_extent: int, v_extent: int, lanes: int, regs: int) -> float:
+    """Expected fraction of peak of a tile shape, for ranking: accumulators enough to hide the
+    FMA latency (3/4 of the registers), not much more than one load (broadcast or weight
+    vector) per FMA (a one-vector tile broadcasts once per FMA), and no work on rows or columns
+    past the end, which costs more than its share (measured on 7x7: 7 x 8 > 4 x 16 > 6 x 16
+    with 12 rows computed)."""
+    vecs = -(-cfg.nr // lanes)
+    busy = 3 * regs // 4
+    loads = (cfg.mr + vecs) / (cfg.mr * vecs)
+    waste = (-(-t_extent // cfg.mr) * cfg.mr / t_extent) * (-(-v_extent // cfg.nr) * cfg.nr
+                                                             / v_extent)
+    return min(cfg.mr * vecs, busy) / busy * min(1.0, 1 / loads) ** 0.5 / waste ** 1.5
+
+
+def _tile_widths(width: int, lanes: int) -> list:
+    """Candidate columns of the register tile: all of ``width`` up to two vectors (and one
+    vector where it divides it), else two vectors or one; columns past the end are computed
+    where the sources are padded there (``_whole_tiles``), else predicated."""
     if width <= 2 * lanes:
-        return width
-    fits = [d for d in (2 * lanes, lanes, *range(2 * lanes, lanes, -1)) if width % d == 0]
-    return fits[0] if fits else lanes
+        return [width] + ([lanes] if width > lanes and width % lanes == 0 else [])
+    return [2 * lanes, lanes]
+
+
+def _tile_heights(extent: int, most: int, busy: int) -> list:
+    """Candidate rows of the register tile, best first. A tile that does not divide ``extent``
+    costs the rows computed past its end (``_whole_tiles``); a short one leaves FMA latency
+    exposed: fewer than ``busy`` accumulators (two FMA ports x 4 cycles, plus slack for the
+    loads) idle a port. Ranked by the product of both; 56 -> 6 (60 computed), 7 -> 7 or 4."""
+    def score(m):
+        return min(m, busy) / busy * extent / (-(-extent // m) * m)
+
+    ranked = sorted(range(1, min(extent, most) + 1), key=lambda m: (-score(m), -m))
+    return ranked[:3]
 
 
 def _innermost_reduction(block, extents):

@@ -299,3 +299,44 @@ def test_register_tiled_rule_takes_every_case(case, policy):
 def test_register_tiled_rule_leaves_other_ops():
     relu = _kernels({"op": "eltwise", "shape": [1, 30, 3, 3], "src": "nChw16c", "dst": "nChw16c"})
     assert RegisterTiled().apply(relu[0].func, get_target("host")) is None
+
+
+@pytest.mark.parametrize("case", ["ow_tail", "blk8_7x7s2", "mm_inner_product", "u8_blocked"])
+def test_register_tiled_space_variants_all_compute_the_same(case, rng):
+    """``space`` (MetaSchedule's design spaces): every variant is a complete schedule giving
+    the numbers of the default one, which comes first and is ``apply``'s; tiles that do not
+    divide the destination (ow = 13, 7 x 7 stride 2 outputs, 7 matmul rows) included."""
+    import tvm
+    import tvm_ffi
+
+    func = _kernels(CASES[case])[0].func
+    target = get_target("host")
+    rule = RegisterTiled()
+    space = rule.space(func, target)
+    assert len(space) >= 3
+    assert tvm_ffi.structural_equal(space[0].mod, rule.apply(func, target).mod)
+    args = []
+    for p in func.params[:-1]:
+        shape = [int(s) for s in p.ty.shape]
+        dtype = str(p.ty.dtype)
+        a = rng.integers(0, 4, shape) if "int" in dtype else rng.standard_normal(shape)
+        args.append(tvm.runtime.tensor(a.astype(dtype)))
+    out_shape = [int(s) for s in func.params[-1].ty.shape]
+    results = []
+    for sch in space:
+        out = tvm.runtime.tensor(np.zeros(out_shape, str(func.params[-1].ty.dtype)))
+        tvm.compile(sch.mod, target=target.tvm_target())["main"](*args, out)
+        results.append(out.numpy())
+    for r in results[1:]:
+        np.testing.assert_allclose(r, results[0], rtol=1e-5, atol=1e-5)
+
+
+def test_register_tiled_hot_loop_has_no_guards_or_tails():
+    """Spatial padding is read from a zero-haloed copy (a stage of the kernel), and the tile
+    that overhangs ow = 13 is computed whole: the reduction block has neither a bounds check
+    nor a predicate; only the destination store keeps one."""
+    sch = RegisterTiled().apply(_kernels(CASES["ow_tail"])[0].func, get_target("host"))
+    script = sch.mod["main"].script()
+    update = script[script.index('T.sblock("acc_update")'):script.index('T.sblock("dst")')]
+    assert "T.if_then_else" not in update and "T.where" not in update
+    assert 'T.sblock("src_pad")' in script

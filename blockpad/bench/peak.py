@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 CHAINS = 12          # independent accumulators per thread
-STEPS = 20000        # FMA steps per chain per call: ~1 ms, long against the call overhead
+STEPS = 400000       # FMA steps per chain per call: ~1 ms per thread, long against a launch
 
 
 def _kernel(lanes: int, tasks: int):

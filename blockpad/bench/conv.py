@@ -1,0 +1,241 @@
+"""``blockpad bench conv`` / ``blockpad bench matmul``: the kernels of examples/bench_host.toml
+against PyTorch (NCHW, channels_last, mkldnn) and numpy, at 1 and 2 threads, as GFLOP/s, as a
+fraction of the measured fp32 peak and as per-pair ratios (issue 5).
+
+Each thread count runs in its own process: TVM's pool, PyTorch's OpenMP team and numpy's BLAS
+all fix their thread counts when they start. In a process, every round times one batch of each
+contender and of the peak kernel (``peak.Peak``) in turn, so the clock drift of this VM hits
+them alike and the fraction of peak is against the peak of the same minutes. The spec is built
+for ``host`` (AVX2, tuning records applied by the build) and, where this CPU has AVX-512, also
+for ``avx512``: PyTorch's oneDNN uses the widest vectors the CPU has, so that is the like-for-
+like comparison, while the host build is what the issue's targets are stated for. Every
+blockpad result is checked against a numpy reference (float64) before it is timed.
+PyTorch is a peer here, imported only inside the benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .common import interleaved, table
+
+SPEC = Path(__file__).resolve().parents[2] / "examples" / "bench_host.toml"
+BUILD = Path("build")
+TOLERANCE = 1e-4   # max |error| / max |reference|
+
+
+def targets() -> list:
+    """The blockpad targets this CPU runs: host, and avx512 where it has AVX-512."""
+    from blockpad.codegen.targets import get_target
+    from blockpad.runtime.machine import missing_features
+
+    return [t for t in ("host", "avx512") if not missing_features(get_target(t).features)]
+
+
+def build_all(tgts) -> dict:
+    """Build the bench spec for each target (nothing to do when up to date)."""
+    import blockpad as bp
+
+    out = {}
+    for t in tgts:
+        d = BUILD / f"bench_host_{t}"
+        bp.build(str(SPEC), t, d)
+        out[t] = str(d)
+    return out
+
+
+def main(what="conv", repeat=5, threads=None, quick=False, png=None):
+    tgts = targets()
+    dirs = build_all(tgts)
+    counts = [threads] if threads else [1, 2]
+    results = []
+    for n in counts:
+        env = {**os.environ, "TVM_NUM_THREADS": str(n), "OMP_NUM_THREADS": str(n),
+               "OPENBLAS_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n),
+               "TVM_THREAD_POOL_SPIN_COUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}
+        cmd = [sys.executable, "-m", "blockpad.bench.conv", what, json.dumps(dirs),
+               str(repeat), str(int(quick))]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            sys.stderr.write(proc.stderr)
+            raise SystemExit(f"benchmark worker ({n} threads) failed")
+        rows = json.loads(proc.stdout.strip().splitlines()[-1])
+        report(what, n, rows, repeat)
+        results += [{**r, "threads": n} for r in rows]
+    plot(what, results, png or f"bench_{what}.png")
+    return results
+
+
+def report(what, threads, rows, repeat):
+    peers = [k for k in rows[0]["gflops"] if not k.startswith(("blockpad", "peak"))]
+    mine = [k for k in rows[0]["gflops"] if k.startswith("blockpad")]
+    head = ["shape", *[f"{k} GF/s" for k in mine + peers]]
+    head += [f"{k.split()[-1]} %peak" for k in mine]
+    head += [f"{k.split()[-1]} / {'best torch' if what == 'conv' else 'numpy'}" for k in mine]
+    body = []
+    for r in rows:
+        g = r["gflops"]
+        base = max(g[k] for k in peers if k.startswith("torch")) if what == "conv" \
+            else g["numpy"]
+        body.append([r["shape"], *[f"{g[k]:.1f}" for k in mine + peers],
+                     *[f"{100 * r['peak_fraction'][k]:.0f}%" for k in mine],
+                     *[f"{g[k] / base:.2f}x" for k in mine]])
+    peaks = rows[0]["peak"]
+    print(f"\n{what}, fp32, {threads} thread(s): median of {repeat} interleaved rounds; "
+          f"measured peak in the same rounds " +
+          ", ".join(f"{t} {v:.0f} GFLOP/s" for t, v in peaks.items()))
+    print(table(body, head))
+
+
+def plot(what, results, png):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    counts = sorted({r["threads"] for r in results})
+    fig, axes = plt.subplots(1, len(counts), figsize=(7 * len(counts), 4.5), squeeze=False)
+    for ax, n in zip(axes[0], counts):
+        rows = [r for r in results if r["threads"] == n]
+        names = [k for k in rows[0]["gflops"] if not k.startswith("peak")]
+        x = np.arange(len(rows))
+        w = 0.8 / len(names)
+        for i, k in enumerate(names):
+            ax.bar(x + i * w, [r["gflops"][k] for r in rows], w, label=k)
+        for t, v in rows[0]["peak"].items():
+            ax.axhline(v, ls="--", lw=1, color="k" if t == "host" else "grey")
+            ax.text(len(rows) - 0.5, v, f"{t} peak", va="bottom", ha="right", fontsize=8)
+        ax.set_xticks(x + 0.4 - w / 2, [r["shape"] for r in rows], rotation=25, ha="right",
+                      fontsize=7)
+        ax.set_ylabel("GFLOP/s")
+        ax.set_title(f"{what} fp32, {n} thread(s)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"\nplot: {png}")
+
+
+# ---- the worker: one process, one thread count ----------------------------------------------
+
+def _inputs(kernel, rng):
+    return {name: rng.standard_normal(lay.shape).astype("float32")
+            for name, role, lay, _ in kernel.signature.args if role == "in"}
+
+
+def _bound(lib, kernel, arrays):
+    """The kernel bound to blocked memories of ``arrays`` (weights packed once, outside the
+    timing, as in inference) and its destination memory."""
+    import blockpad as bp
+
+    mems = [bp.Memory.from_numpy(arrays[name], lay)
+            for name, role, lay, _ in kernel.signature.args if role == "in"]
+    dst = lib.memory(kernel.signature.args[-1][2])
+    return kernel.bind(*mems, dst), dst
+
+
+def _conv_peers(params, arrays):
+    import torch
+    import torch.nn.functional as F
+
+    x, w = torch.from_numpy(arrays["src"]), torch.from_numpy(arrays["weights"])
+    kw = {"stride": tuple(params["stride"]), "padding": tuple(params["pad"])}
+    cl = torch.channels_last
+    xc, wc = x.contiguous(memory_format=cl), w.contiguous(memory_format=cl)
+    conv = torch.nn.Conv2d(w.shape[1], w.shape[0], w.shape[2:], bias=False, **kw).eval()
+    conv.weight.data.copy_(w)
+    mk = torch.utils.mkldnn.to_mkldnn(conv)        # weights reordered once, blocked
+    xm = x.to_mkldnn()
+    torch.set_grad_enabled(False)
+    return {"torch nchw": lambda: F.conv2d(x, w, **kw),
+            "torch channels_last": lambda: F.conv2d(xc, wc, **kw),
+            "torch mkldnn": lambda: mk(xm)}
+
+
+def _matmul_peers(arrays):
+    import torch
+
+    a, b = arrays["src"], arrays["weights"]
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    return {"numpy": lambda: a @ b, "torch": lambda: torch.mm(ta, tb)}
+
+
+def _reference(op, params, arrays):
+    if op == "conv2d":
+        from blockpad.runtime.graph_ops import conv_ref
+
+        return conv_ref(arrays["src"], arrays["weights"], stride=tuple(params["stride"]),
+                        pad=tuple(params["pad"]))
+    return arrays["src"].astype(np.float64) @ arrays["weights"].astype(np.float64)
+
+
+def worker(what, dirs, repeat, quick):
+    import blockpad as bp
+
+    from .peak import Peak
+
+    threads = int(os.environ["TVM_NUM_THREADS"])
+    import torch
+
+    torch.set_num_threads(threads)
+    libs = {t: bp.load(d) for t, d in dirs.items()}
+    op = "conv2d" if what == "conv" else "matmul"
+    host = libs["host"]
+    names = [n for n in host if host[n].signature.op == op]
+    if quick:
+        names = names[:2]
+    peaks = {t: Peak(t, threads) for t in libs}
+    rng = np.random.default_rng(0)
+    rows = []
+    for name in names:
+        sig = host[name].signature
+        params = sig.params
+        arrays = _inputs(host[name], rng)
+        ref = _reference(op, params, arrays)
+        contenders = {}
+        for t, lib in libs.items():
+            call, dst = _bound(lib, lib[name], arrays)
+            call()
+            err = float(np.abs(dst.to_numpy() - ref).max() / np.abs(ref).max())
+            if err > TOLERANCE:
+                raise SystemExit(f"{name} ({t}): relative error {err:.1e} vs numpy")
+            contenders[f"blockpad {t}"] = call
+        contenders.update(_conv_peers(params, arrays) if op == "conv2d" else
+                          _matmul_peers(arrays))
+        for t, p in peaks.items():
+            contenders[f"peak {t}"] = p
+        secs = interleaved(contenders, repeat)
+        flops = 2 * float(np.prod(ref.shape)) * (
+            float(np.prod(arrays["weights"].shape[1:])) if op == "conv2d"
+            else arrays["src"].shape[1])
+        gflops = {k: (peaks[k[5:]].flops if k.startswith("peak") else flops) / s / 1e9
+                  for k, s in secs.items()}
+        peak = {t: gflops[f"peak {t}"] for t in peaks}
+        rows.append({"shape": _label(op, arrays, params), "kernel": name, "gflops": gflops,
+                     "peak": peak,
+                     "peak_fraction": {f"blockpad {t}": gflops[f"blockpad {t}"] / peak[t]
+                                       for t in peaks}})
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    print(json.dumps(rows))
+
+
+def _label(op, arrays, params):
+    if op == "matmul":
+        (m, k), n = arrays["src"].shape, arrays["weights"].shape[1]
+        return f"{m}x{k}x{n}"
+    _, c, h, w = arrays["src"].shape
+    k, _, kh, kw = arrays["weights"].shape
+    s = params["stride"][0]
+    return f"C{c} K{k} {h}x{w} {kh}x{kw}" + (f" s{s}" if s > 1 else "")
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4])))
