@@ -26,17 +26,14 @@ from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
 # ---- VNNI ----------------------------------------------------------------------------------
-# Every description and implementation is made for an accumulator ``C`` in a given storage
-# scope: tensorize matches scopes, and blockpad's rules keep accumulators in ``local`` tiles
-# (registers, or the stack for AMX) while a plain schedule accumulates in ``global`` memory.
 
 
-def _vnni_desc(src, scope):
+def _vnni_desc(src):
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
         B = T.match_buffer(b, (16, 4), "int8", offset_factor=1, align=1)
-        C = T.match_buffer(c, (16,), "int32", offset_factor=1, align=1, scope=scope)
+        C = T.match_buffer(c, (16,), "int32", offset_factor=1, align=1)
         with T.sblock("root"):
             T.reads(C[0:16], A[0:4], B[0:16, 0:4])
             T.writes(C[0:16])
@@ -48,7 +45,7 @@ def _vnni_desc(src, scope):
     return desc
 
 
-def _vnni_impl(src, scope):
+def _vnni_impl(src):
     """``vpdpbusd`` is u8 x s8. An s8 source goes through ``a . b = (a + 128) . b - 128 *
     sum(b)``: ``a ^ 0x80`` is ``a + 128`` as u8, and the compensation ``128 * sum(b)`` is a
     second ``vpdpbusd`` of a broadcast 128 by the same weights. It depends on the weights only,
@@ -61,7 +58,7 @@ def _vnni_impl(src, scope):
     def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
         B = T.match_buffer(b, (16, 4), "int8", offset_factor=1, align=1)
-        C = T.match_buffer(c, (16,), "int32", offset_factor=1, align=1, scope=scope)
+        C = T.match_buffer(c, (16,), "int32", offset_factor=1, align=1)
         with T.sblock("root"):
             T.reads(C[0:16], A[0:4], B[0:16, 0:4])
             T.writes(C[0:16])
@@ -106,7 +103,7 @@ def _amx_shape(src, tiles):
     return "int32", "int8", 4, 64 * tiles, 1
 
 
-def _amx_desc(src, scope, tiles=1):
+def _amx_desc(src, tiles=1):
     acc, wei, step, kt, _ = _amx_shape(src, tiles)
     elem = _bf16 if src == "uint16" else (lambda x: T.cast(x, "int32"))
 
@@ -114,7 +111,7 @@ def _amx_desc(src, scope, tiles=1):
     def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (16, kt), src, offset_factor=1, align=1)
         B = T.match_buffer(b, (kt // step, 16, step), wei, offset_factor=1, align=1)
-        C = T.match_buffer(c, (16, 16), acc, offset_factor=1, align=1, scope=scope)
+        C = T.match_buffer(c, (16, 16), acc, offset_factor=1, align=1)
         with T.sblock("root"):
             T.reads(C[0:16, 0:16], A[0:16, 0:kt], B[0:kt // step, 0:16, 0:step])
             T.writes(C[0:16, 0:16])
@@ -128,7 +125,7 @@ def _amx_desc(src, scope, tiles=1):
 _AMX_INSTR = {"uint8": "llvm.x86.tdpbusd", "int8": "llvm.x86.tdpbssd", "uint16": "llvm.x86.tdpbf16ps"}
 
 
-def _amx_impl(src, scope, tiles=1):
+def _amx_impl(src, tiles=1):
     """The accumulator tile is loaded once, multiplied by ``tiles`` consecutive (A, B) tile
     pairs along the reduction, and stored once: the round trip through memory is paid per
     ``tiles`` multiplies, not per multiply."""
@@ -142,7 +139,7 @@ def _amx_impl(src, scope, tiles=1):
         sc = T.int32()
         A = T.match_buffer(a, (16, kt), src, offset_factor=1, align=1, strides=[sa, 1])
         B = T.match_buffer(b, (kt // step, 16, step), wei, offset_factor=1, align=1, strides=[sb, step, 1])
-        C = T.match_buffer(c, (16, 16), acc, offset_factor=1, align=1, strides=[sc, 1], scope=scope)
+        C = T.match_buffer(c, (16, 16), acc, offset_factor=1, align=1, strides=[sc, 1])
         with T.sblock("root"):
             T.reads(C[0:16, 0:16], A[0:16, 0:kt], B[0:kt // step, 0:16, 0:step])
             T.writes(C[0:16, 0:16])
@@ -155,10 +152,10 @@ def _amx_impl(src, scope, tiles=1):
     return impl
 
 
-def _zero_desc(dtype, scope):
+def _zero_desc(dtype):
     @T.prim_func(s_tir=True)
     def desc(c: T.handle) -> None:
-        C = T.match_buffer(c, (16, 16), dtype, offset_factor=1, align=1, scope=scope)
+        C = T.match_buffer(c, (16, 16), dtype, offset_factor=1, align=1)
         with T.sblock("root"):
             T.reads()
             T.writes(C[0:16, 0:16])
@@ -169,16 +166,18 @@ def _zero_desc(dtype, scope):
     return desc
 
 
-def _amx_cfg_zero_impl(dtype, scope):
+def _amx_cfg_zero_impl(dtype):
     """Load the tile configuration (palette 1, three 16 x 64-byte tiles) and zero tile 0 into C."""
     @T.prim_func(s_tir=True)
     def impl(c: T.handle) -> None:
         sc = T.int32()
-        C = T.match_buffer(c, (16, 16), dtype, offset_factor=1, align=1, strides=[sc, 1], scope=scope)
+        C = T.match_buffer(c, (16, 16), dtype, offset_factor=1, align=1, strides=[sc, 1])
         with T.sblock("root"):
             T.reads()
             T.writes(C[0:16, 0:16])
-            cfg = T.alloc_buffer((64,), "uint8", scope="local")   # not sblock_alloc: tensorize drops it
+            # not sblock_alloc: tensorize drops it; "global": TVM puts small global buffers on
+            # the stack, every "local" one on the heap (TVMBackendAllocWorkspace)
+            cfg = T.alloc_buffer((64,), "uint8")
             for b in range(64):
                 cfg[b] = T.uint8(0)
             cfg[0] = T.uint8(1)                                    # palette 1
@@ -198,8 +197,6 @@ AMX_S8 = "blockpad_amx_s8s8s32_16x16x64"
 AMX_BF16 = "blockpad_amx_bf16f32_16x16x32"  # bf16 as uint16 storage
 AMX_ZERO_I32 = "blockpad_amx_cfg_zero_i32"
 AMX_ZERO_F32 = "blockpad_amx_cfg_zero_f32"
-SCOPES = ("global", "local")
-
 _MAKERS = {VNNI: (_vnni_desc, _vnni_impl, "uint8"), VNNI_S8: (_vnni_desc, _vnni_impl, "int8"),
            AMX_INT8: (_amx_desc, _amx_impl, "uint8"), AMX_S8: (_amx_desc, _amx_impl, "int8"),
            AMX_BF16: (_amx_desc, _amx_impl, "uint16"),
@@ -209,39 +206,32 @@ _MAKERS = {VNNI: (_vnni_desc, _vnni_impl, "uint8"), VNNI_S8: (_vnni_desc, _vnni_
 
 @functools.lru_cache(maxsize=1)
 def register() -> None:
-    """Register every intrinsic for each accumulator scope, and its ``_ref`` twin (the
-    description as implementation)."""
+    """Register every intrinsic and its ``_ref`` twin (the description as implementation)."""
     for base, (desc, impl, dtype) in _MAKERS.items():
-        for scope in SCOPES:
-            d = desc(dtype, scope)
-            TensorIntrin.register(_full(base, scope), d, impl(dtype, scope))
-            TensorIntrin.register(_full(base, scope) + "_ref", d, d)
+        d = desc(dtype)
+        TensorIntrin.register(base, d, impl(dtype))
+        TensorIntrin.register(base + "_ref", d, d)
 
 
-def _full(base: str, scope: str) -> str:
-    return base if scope == "global" else f"{base}_{scope}"
+def name(intrin: str, reference: bool) -> str:
+    """``intrin``, or its plain-loop twin for running the same schedule on any CPU."""
+    register()
+    return intrin + "_ref" if reference else intrin
 
 
-def amx_multiply(base: str, tiles: int, reference: bool, scope: str = "global") -> str:
+def amx_multiply(base: str, tiles: int, reference: bool) -> str:
     """``base`` (``AMX_INT8``, ``AMX_S8``, ``AMX_BF16``) over ``tiles`` tile multiplies along
     the reduction at once, registered on first use (the reduction length is a kernel's)."""
     if tiles == 1:
-        return name(base, reference, scope)
-    return _register_tiles(base, tiles, scope) + ("_ref" if reference else "")
+        return name(base, reference)
+    return _register_tiles(base, tiles) + ("_ref" if reference else "")
 
 
 @functools.cache
-def _register_tiles(base: str, tiles: int, scope: str) -> str:
+def _register_tiles(base: str, tiles: int) -> str:
     desc, impl, dtype = _MAKERS[base]
-    full = f"{_full(base, scope)}_x{tiles}"
-    d = desc(dtype, scope, tiles)
-    TensorIntrin.register(full, d, impl(dtype, scope, tiles))
+    full = f"{base}_x{tiles}"
+    d = desc(dtype, tiles)
+    TensorIntrin.register(full, d, impl(dtype, tiles))
     TensorIntrin.register(full + "_ref", d, d)
     return full
-
-
-def name(intrin: str, reference: bool, scope: str = "global") -> str:
-    """``intrin`` for an accumulator in ``scope``, or its plain-loop twin for running the same
-    schedule on any CPU."""
-    register()
-    return _full(intrin, scope) + ("_ref" if reference else "")

@@ -48,7 +48,7 @@ from .generic import root_blocks, spatial_parallel_vectorize
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 SPATIAL, REDUCE = 0, 2   # IterVar types
-VNNI_ROWS = 16   # register tile rows: 16 accumulators + weights + compensation + broadcast
+VNNI_ROWS = 15   # register tile rows; 16 x 16 int32 would be 1 KiB, which TVM puts on the heap
 
 
 class _Nest:
@@ -139,7 +139,7 @@ class Vnni:
         guard = _drop_guard(sch, step) if nest.guard is not None else None
         intrin = xi.VNNI if nest.src_dtype == "uint8" else xi.VNNI_S8
         name = sch.get(step).name_hint
-        sch.tensorize(step, xi.name(intrin, self.reference, "local"))
+        sch.tensorize(step, xi.name(intrin, self.reference))
         if guard is not None:
             _predicate(sch, sch.get_sblock(name), guard)
         return True
@@ -173,9 +173,9 @@ class Amx:
             return False
         outer = _tile_dst(sch, dst, nest.t, 16, 16)
         update, init = _tile_acc(sch, acc, nest, outer, steps)
-        sch.tensorize(sch.get_loops(init)[-2], xi.name(zero, self.reference, "local"))
+        sch.tensorize(sch.get_loops(init)[-2], xi.name(zero, self.reference))
         sch.tensorize(sch.get_loops(update)[-3], xi.amx_multiply(
-            multiply, steps // per_tile, self.reference, "local"))
+            multiply, steps // per_tile, self.reference))
         return True
 
 
@@ -240,7 +240,6 @@ def _tile_acc(sch, acc, nest, at_loop, steps):
     r_outer, r_inner = sch.split(reduce[r], [None, steps])
     reduce = [*reduce[:r], *reduce[r + 1:], r_outer]   # r's outer part walks the source innermost
     sch.reorder(*reduce, at, av, r_inner)
-    sch.set_scope(acc, 0, "local")
     init = sch.decompose_reduction(acc, reduce[0])
     return acc, init
 
