@@ -250,6 +250,15 @@ def export_cross(compiler, rt_mod) -> str:
     return path
 
 
+def make_builder(target: Target):
+    """MetaSchedule's LocalBuilder with blockpad's build function, and for a cross target an
+    export that links with the target's cross compiler."""
+    from tvm.s_tir import meta_schedule as ms
+
+    export = partial(export_cross, target.cross_compiler) if target.cross_compiler else None
+    return ms.builder.LocalBuilder(f_build=build_candidate, f_export=export, timeout_sec=120)
+
+
 def tune(spec, target="host", trials=16, out=None, rpc: Rpc | None = None, log=None) -> list:
     """Measure up to ``trials`` schedule variants of every kernel ``spec`` builds for ``target``
     into ``out/<target>/`` (default: the packaged tuning_logs). Returns one dict per kernel."""
@@ -288,9 +297,7 @@ class _Session:
                              f"append to them; move them away or fix them:\n  "
                              + "\n  ".join(broken))
         self.db = ms.database.JSONDatabase(work_dir=str(folder))
-        export = partial(export_cross, target.cross_compiler) if target.cross_compiler else None
-        self.builder = ms.builder.LocalBuilder(f_build=build_candidate, f_export=export,
-                                               timeout_sec=120)
+        self.builder = make_builder(target)
         evaluator = ms.runner.EvaluatorConfig(number=3, repeat=3, min_repeat_ms=40)
         if rpc is None:
             self.runner = ms.runner.LocalRunner(evaluator_config=evaluator, timeout_sec=60)
@@ -353,7 +360,6 @@ class _Session:
     def _measure(self, wls):
         """Build and run ``wls``; commit a record per trial (failed ones as run_secs [1e10],
         as MetaSchedule does, so that they are not tried again)."""
-        from tvm import s_tir
         from tvm.s_tir import meta_schedule as ms
 
         built = self.builder.build([ms.builder.BuilderInput(wl, self.tvm_target) for wl in wls])
@@ -370,7 +376,7 @@ class _Session:
             error = b.error_msg or (run.error_msg if run is not None else None)
             secs = [float(s) for s in run.run_secs] if run is not None and not error else [1e10]
             record = ms.database.TuningRecord(
-                s_tir.Schedule(wl).trace, self.db.commit_workload(wl), secs, self.tvm_target,
+                _trace(wl), self.db.commit_workload(wl), secs, self.tvm_target,
                 ms.arg_info.ArgInfo.from_entry_func(wl))
             self.db.commit_tuning_record(record)
             if b.artifact_path:
@@ -402,6 +408,16 @@ class _Session:
             handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
             logger.addHandler(handler)
         return logger
+
+
+def _trace(wl):
+    """The record's trace: one annotation of the root block. The variant is the workload
+    itself, but MetaSchedule's queries skip a record whose trace does nothing."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(wl)
+    sch.annotate(sch.get_sblock("root"), "blockpad.tuned", True)
+    return sch.trace
 
 
 def _well_formed(wl) -> bool:

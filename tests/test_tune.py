@@ -1,0 +1,326 @@
+"""Autotuning: real MetaSchedule measurements (3 trials on tiny shapes) into a MetaSchedule
+JSON database; builds that use the fastest record and are checked against numpy; resuming;
+corrupt and stale logs; measuring through an RPC tracker and server on loopback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tvm
+from tvm.s_tir import meta_schedule as ms
+
+import blockpad as bp
+from blockpad.cli import main
+from blockpad.codegen import tune as tn
+from blockpad.codegen.build import build, make_kernels
+from blockpad.codegen.spec import parse_spec
+from blockpad.codegen.targets import get_target
+from blockpad.errors import SpecError
+from blockpad.schedules import space
+
+from .test_conv_matmul import inputs, reference
+
+TRIALS = 3
+CONV = {"name": "conv", "op": "conv2d", "shape": [1, 30, 6, 6], "channels": 20,
+        "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c", "weights": "OIhw16i16o",
+        "dst": "nChw16c", "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]}
+MATMUL = {"name": "mm", "op": "matmul", "shape": [12, 40], "n": 24, "src": "ab",
+          "weights": "Ba16b", "dst": "ab"}
+REORDER = {"name": "reorder", "op": "reorder", "shape": [1, 30, 4, 4], "src": "nchw",
+           "dst": "nChw16c"}
+SPEC = parse_spec({"library": {"name": "tune-test"}, "kernel": [CONV, MATMUL, REORDER]})
+HOST = get_target("host")
+
+
+def quiet(messages):
+    return messages.append
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """The spec tuned once for the module: (logs folder, tune results, printed lines)."""
+    out = tmp_path_factory.mktemp("tuning_logs")
+    lines = []
+    results = tn.tune(SPEC, "host", TRIALS, out, log=quiet(lines))
+    return out, results, lines
+
+
+@pytest.fixture(scope="module")
+def tuned_build(tuned, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tuned_build")
+    lines = []
+    result = build(SPEC, "host", out, tuning_logs=tuned[0], log=quiet(lines))
+    return result, lines
+
+
+def copy_logs(tuned, tmp_path):
+    dst = tmp_path / "logs"
+    shutil.copytree(tuned[0], dst)
+    return dst
+
+
+def kernel_func(name):
+    req = next(r for r in SPEC.kernels if r.name == name)
+    return make_kernels(req)[0].func
+
+
+# ---- tuning -----------------------------------------------------------------------------------
+
+def test_tune_measures_the_rule_variants_into_a_metaschedule_database(tuned):
+    out, results, lines = tuned
+    by_name = {r["kernel"]: r for r in results}
+    for name in ("conv", "mm"):
+        assert by_name[name]["measured"] == TRIALS and by_name[name]["failed"] == 0
+        assert 0 < by_name[name]["best_us"] < 1e5
+    assert by_name["reorder"]["skipped"] == tn.ONE_VARIANT
+    assert any(line.startswith("[1/") and f"{TRIALS}/{TRIALS} trials, best so far" in line
+               for line in lines), lines
+    # TVM's own database class opens the files; every record is this target's and replays
+    db = ms.database.JSONDatabase(work_dir=str(out / "host"), allow_missing=False)
+    records = db.get_all_tuning_records()
+    assert len(records) == 2 * TRIALS
+    host = HOST.tvm_target(num_cores=1)
+    assert {tn.target_key(r.target) for r in records} == {tn.target_key(host)}
+    best = space.workload(space.variants(kernel_func("conv"), HOST)[0])
+    sch = db.query_schedule(best, records[0].target, workload_name="main")
+    assert sch is not None     # MetaSchedule applies it: the variant, its root block annotated
+    assert sch.get(sch.get_sblock("root")).annotations["blockpad.tuned"]
+
+
+def test_rerun_skips_what_is_recorded_and_continues_to_more_trials(tuned, tmp_path):
+    logs = copy_logs(tuned, tmp_path)
+    records = logs / "host" / tn.DB_FILES[1]
+    before = records.read_text().count("\n")
+    lines = []
+    again = tn.tune(SPEC, "host", TRIALS, logs, log=quiet(lines))
+    assert [r["measured"] for r in again] == [0] * len(again)
+    assert records.read_text().count("\n") == before
+    assert any("already tuned" in line for line in lines)
+    more = tn.tune(SPEC, "host", TRIALS + 1, logs, log=quiet(lines))
+    assert [r["measured"] for r in more[:2]] == [1, 1]
+    assert records.read_text().count("\n") == before + 2
+    index = json.loads((logs / "host" / tn.INDEX).read_text())["kernels"]
+    assert index["conv"]["trials"] == TRIALS + 1
+
+
+def test_interrupted_write_is_cut_off_and_the_run_continues(tuned, tmp_path, capsys):
+    """Through the command line: a run killed mid-append left half a line."""
+    logs = copy_logs(tuned, tmp_path)
+    records = logs / "host" / tn.DB_FILES[1]
+    intact = records.read_text()
+    records.write_text(intact + '[0,[[[],[]],[1.5e-0')
+    assert main(["tune", str(_spec_file(tmp_path)), "--trials", str(TRIALS), "--out",
+                 str(logs)]) == 0
+    assert records.read_text() == intact
+    err = capsys.readouterr().err
+    assert "dropped a line cut short by an interrupted run" in err
+    assert "[1/7] conv: already tuned" in err
+
+
+def _spec_file(tmp_path):
+    path = tmp_path / "spec.toml"
+    lines = []
+    for entry in (CONV, MATMUL, REORDER):
+        lines.append("[[kernel]]")
+        for k, v in entry.items():
+            lines.append(f"{k} = {_toml(v)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _toml(v):
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return json.dumps(v)
+
+
+def test_corrupt_logs_stop_tuning_with_a_clear_error(tuned, tmp_path):
+    logs = copy_logs(tuned, tmp_path)
+    with open(logs / "host" / tn.DB_FILES[1], "a") as f:
+        f.write("this is not json\n")
+    with pytest.raises(bp.BuildError, match="line 7 is corrupt"):
+        tn.tune(SPEC, "host", TRIALS, logs, log=lambda m: None)
+
+
+@pytest.mark.parametrize("target,kwargs,match", [
+    ("host", {"trials": 0}, "positive number of trials"),
+    ("cuda-sm80", {}, "only CPU targets"),
+    ("neon", {}, "--rpc-tracker"),
+])
+def test_tune_refuses_what_it_cannot_measure(target, kwargs, match, tmp_path):
+    with pytest.raises(SpecError, match=match):
+        tn.tune(SPEC, target, kwargs.get("trials", 2), tmp_path, log=lambda m: None)
+
+
+@pytest.mark.parametrize("tracker,key", [("localhost", "k"), ("h:p", "k"), ("h:9190", None)])
+def test_rpc_address_is_checked(tracker, key):
+    with pytest.raises(SpecError, match="HOST:PORT"):
+        tn.Rpc.parse(tracker, key)
+
+
+# ---- builds that use the records --------------------------------------------------------------
+
+def test_build_applies_the_fastest_record_and_says_which_kernels_are_tuned(tuned, tuned_build):
+    result, lines = tuned_build
+    kernels = {k["name"]: k for k in result.manifest["kernels"]}
+    logs = tn.Logs(tuned[0], HOST)
+    for name in ("conv", "mm"):
+        assert kernels[name]["tuned"] is True
+        variants = space.variants(kernel_func(name), HOST)
+        means = [min((tn._mean(r) for r in logs.records(space.workload(f))), default=None)
+                 for f in variants]
+        measured = {i: m for i, m in enumerate(means) if m is not None}
+        assert len(measured) == TRIALS
+        fastest = min(measured, key=measured.get)
+        assert kernels[name]["tuning"]["variant"] == fastest
+        assert kernels[name]["tuning"]["mean_us"] == pytest.approx(measured[fastest] * 1e6, abs=1e-3)
+        with open(f"{result.out_dir}/source/{name}.tir.py") as f:
+            assert f.read() == variants[fastest].script()
+    untuned = [k for k in kernels if k not in ("conv", "mm")]   # the reorder, the zero pads
+    assert "reorder" in untuned and len(untuned) > 1
+    for name in untuned:
+        assert kernels[name]["tuned"] is False
+        assert kernels[name]["tuning"]["reason"] == f"not tuned: {tn.ONE_VARIANT}"
+    assert any("2 of" in line and "kernels tuned: conv" in line for line in lines), lines
+    assert any("reorder: default schedule (not tuned" in line for line in lines)
+
+
+def test_tuned_kernels_match_numpy(tuned_build, rng):
+    lib = bp.load(tuned_build[0].out_dir)
+    for entry in (CONV, MATMUL):
+        kernel = lib[entry["name"]]
+        arrays = inputs(kernel, rng)
+        mems = [bp.Memory.from_numpy(arrays[n], lay) for n, _, lay, _ in kernel.signature.args[:-1]]
+        dst = bp.Memory.zeros(kernel.signature.args[-1][2])
+        kernel(*mems, dst)
+        np.testing.assert_allclose(dst.to_numpy(), reference(entry, arrays), rtol=1e-4, atol=1e-4)
+
+
+def test_a_new_record_rebuilds(tuned, tmp_path):
+    logs = copy_logs(tuned, tmp_path)
+    out = tmp_path / "lib"
+    assert build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt
+    assert not build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt
+    tn.tune(SPEC, "host", TRIALS + 1, logs, log=lambda m: None)
+    assert build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt
+
+
+def test_corrupt_log_lines_warn_and_cost_only_themselves(tuned, tmp_path):
+    logs = copy_logs(tuned, tmp_path)
+    folder = logs / "host"
+    workloads = folder / tn.DB_FILES[0]
+    lines = workloads.read_text().splitlines()
+    lines[0] = lines[0][: len(lines[0]) // 2]        # a workload line cut in half
+    workloads.write_text("\n".join(lines) + "\n")
+    with open(folder / tn.DB_FILES[1], "a") as f:
+        f.write("[99, []]\n{not json\n")
+    messages = []
+    result = build(SPEC, "host", tmp_path / "lib", tuning_logs=logs, log=quiet(messages))
+    warnings = [m for m in messages if m.startswith("warning:")]
+    assert any("database_workload.json: line 1 is corrupt" in w for w in warnings), warnings
+    assert any("database_tuning_record.json: line 7 is corrupt" in w for w in warnings)
+    assert any("database_tuning_record.json: line 8 is corrupt" in w for w in warnings)
+    tuned_kernels = {k["name"] for k in result.manifest["kernels"] if k["tuned"]}
+    assert tuned_kernels == {"conv", "mm"}    # line 1 was one conv variant: two remain
+
+
+def test_unreadable_index_warns_and_falls_back(tuned, tmp_path):
+    logs = copy_logs(tuned, tmp_path)
+    (logs / "host" / tn.INDEX).write_text("{")
+    messages = []
+    result = build(SPEC, "host", tmp_path / "lib", tuning_logs=logs, log=quiet(messages))
+    assert any("blockpad.json: unreadable" in m for m in messages)
+    assert not any(k["tuned"] for k in result.manifest["kernels"])
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("tvm_version", "0.19.0", "recorded with TVM 0.19.0, this is"),
+    ("workload", "123", "workload hash mismatch: tuned 123, now"),
+])
+def test_stale_records_fall_back_with_the_reason(tuned, tmp_path, field, value, reason):
+    logs = copy_logs(tuned, tmp_path)
+    path = logs / "host" / tn.INDEX
+    index = json.loads(path.read_text())
+    index["kernels"]["conv"][field] = value
+    path.write_text(json.dumps(index))
+    choice = tn.Logs(logs, HOST).choose("conv", kernel_func("conv"), HOST.tvm_target())
+    assert choice.func is None and choice.status["reason"].startswith(reason)
+
+
+def test_records_of_another_target_are_never_applied(tuned):
+    other = tvm.target.Target({**HOST.tvm, "mcpu": "haswell"})
+    choice = tn.Logs(tuned[0], HOST).choose("conv", kernel_func("conv"), other)
+    assert choice.func is None
+    assert choice.status["reason"] == "records only for another target (x86-64-v3)"
+
+
+def test_no_logs_means_the_default_schedule(tmp_path):
+    choice = tn.Logs(tmp_path, HOST).choose("conv", kernel_func("conv"), HOST.tvm_target())
+    assert choice.func is None and choice.status["reason"].startswith("no record (no tuning logs")
+
+
+# ---- remote measurement -----------------------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def rpc_device():
+    """A tracker and a server registered with it under key 'loopback', as on a device farm."""
+    tracker_port, server_port = _free_port(), _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host",
+                               "127.0.0.1", "--port", str(tracker_port), "--port-end",
+                               str(tracker_port + 1)])]
+    try:
+        procs.append(subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--host",
+                                       "127.0.0.1", "--port", str(server_port), "--port-end",
+                                       str(server_port + 1), "--tracker",
+                                       f"127.0.0.1:{tracker_port}", "--key", "loopback"]))
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if "loopback" in tvm.rpc.connect_tracker("127.0.0.1", tracker_port).text_summary():
+                    break
+            except (ConnectionError, RuntimeError, OSError):
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("the RPC server did not register with the tracker in 120 s")
+        yield tn.Rpc("127.0.0.1", tracker_port, "loopback")
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(timeout=30)
+
+
+def test_tune_measures_through_an_rpc_tracker(rpc_device, tmp_path):
+    spec = parse_spec({"kernel": [MATMUL]})
+    results = tn.tune(spec, "host", 2, tmp_path, rpc=rpc_device, log=lambda m: None)
+    assert results[0]["measured"] == 2 and results[0]["failed"] == 0
+    records = ms.database.JSONDatabase(work_dir=str(tmp_path / "host")).get_all_tuning_records()
+    assert len(records) == 2 and all(tn._mean(r) < 1 for r in records)
+
+
+def test_cross_target_candidates_are_linked_for_the_device():
+    """neon through RPC: the builder exports with the cross compiler (build-only: no device)."""
+    neon = get_target("neon")
+    func = space.variants(kernel_func("mm"), neon)[0]
+    built = tn.make_builder(neon).build([ms.builder.BuilderInput(space.workload(func),
+                                                                 neon.tvm_target(num_cores=4))])
+    assert built[0].error_msg is None, built[0].error_msg
+    with open(built[0].artifact_path, "rb") as f:
+        header = f.read(20)
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # aarch64
+    shutil.rmtree(built[0].artifact_path.rsplit("/", 1)[0])
