@@ -14,9 +14,10 @@ whole has none: then the whole kernel is counted, and says so). For that loop it
 * ``spills``: loads and stores of vector registers from and to the stack (a register tile
   that did not fit; PTX: ``.local``); scalar stack traffic (loop state kept in the frame) is
   not counted;
-* ``dot/load``: the ratio a register-blocked kernel raises (oneDNN's and BLIS's aim); an AMX
-  tile multiply does 16 x 16 x 64 int8 products per instruction, so there the ratio is per
-  tile load.
+* ``dot/load``: the ratio a register-blocked kernel raises (oneDNN's and BLIS's aim). For AMX
+  it is tile multiplies per tile load (``tiles``): each multiply needs an A and a B tile, so
+  0.5 is the ceiling short of reusing tiles across multiplies, and the accumulator tile's load
+  per output tile pulls it below.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def innermost_loops(lines: list) -> list:
 def mix(instrs: list, arch: str) -> dict:
     """Counts of dot instructions, loads, stores and vector spills (stack loads and stores of
     vector registers) in ``instrs``."""
-    out = {"instrs": len(instrs), "dot": 0, "loads": 0, "stores": 0, "spills": 0}
+    out = {"instrs": len(instrs), "dot": 0, "loads": 0, "stores": 0, "spills": 0,
+           "tile_loads": 0}
     for ins in instrs:
         op, rest = (ins.split(None, 1) + [""])[:2]
         if _DOT.match(op.split("@")[-1]):
@@ -129,6 +131,7 @@ def mix(instrs: list, arch: str) -> dict:
             if not mem or op.startswith(("lea", "nop", "prefetch", "push", "pop", "call")):
                 continue
             last = len(operands) - 1
+            out["tile_loads"] += op.startswith("tileload")
             if op.startswith("tilestore"):
                 out["stores"] += 1
             elif op.startswith(("cmp", "test", "ucomi", "vucomi", "comi", "tileload")) \
@@ -207,7 +210,8 @@ def measure(target: str, out_dir: str) -> list:
     rows = []
     for k in kernels:
         where, m = hot_loop(funcs, k["name"], "ptx" if gpu else t.arch)
-        ratio = f"{m['dot'] / m['loads']:.2f}" if m["loads"] else "-"
+        loads = m["tile_loads"] or m["loads"]   # AMX: the tiles feed the tile multiplies
+        ratio = f"{m['dot'] / loads:.2f}{' tiles' if m['tile_loads'] else ''}" if loads else "-"
         rows.append([f"{target} {k['name']}", where, m["instrs"], m["dot"], m["loads"],
                      m["stores"], m["spills"], ratio])
     return rows
