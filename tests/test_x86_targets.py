@@ -144,12 +144,7 @@ def _reference(sig, args) -> np.ndarray:
     if sig.op == "matmul":
         acc = x @ w
     else:
-        (sh, sw), (ph, pw) = sig.params["stride"], sig.params["pad"]
-        kh, kw = w.shape[2:]
-        xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
-        oh, ow = (xp.shape[2] - kh) // sh + 1, (xp.shape[3] - kw) // sw + 1
-        acc = sum(np.einsum("nchw,kc->nkhw", xp[:, :, i:i + sh * oh:sh, j:j + sw * ow:sw],
-                            w[:, :, i, j]) for i in range(kh) for j in range(kw))
+        acc = _conv(x, w, sig.params)
     want = acc.astype(np.float64)
     if "scale" in args:
         want = want * args["scale"].to_numpy()[channel]
@@ -159,6 +154,26 @@ def _reference(sig, args) -> np.ndarray:
     if any(p.get("algorithm") == "relu" for p in sig.params.get("post_ops", [])):
         want = np.maximum(want, 0)
     return want
+
+
+def _conv(x, w, params) -> np.ndarray:
+    """Direct convolution with stride, pad, dilation and groups (weights (G, K/G, C/G, KH, KW)
+    when grouped), as oneDNN defines it."""
+    (sh, sw), (ph, pw), (dh, dw) = params["stride"], params["pad"], params["dilation"]
+    g = params["groups"]
+    w = w.reshape(-1, *w.shape[-3:]) if g > 1 else w        # (K, C/G, KH, KW)
+    kh, kw = w.shape[2:]
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    cg, kg = x.shape[1] // g, w.shape[0] // g
+    out = []
+    for gi in range(g):
+        xg, wg = xp[:, gi * cg:(gi + 1) * cg], w[gi * kg:(gi + 1) * kg]
+        out.append(sum(np.einsum("nchw,kc->nkhw", xg[:, :, i * dh:i * dh + sh * oh:sh,
+                                                      j * dw:j * dw + sw * ow:sw], wg[:, :, i, j])
+                       for i in range(kh) for j in range(kw)))
+    return np.concatenate(out, axis=1)
 
 
 def _check(name, sig, args, exact):
@@ -240,16 +255,34 @@ def _twin(spec_kernel, rule, target):
     return sig, run
 
 
-def test_vnni_schedule_is_exact_on_any_cpu_with_the_reference_twin(rng):
+# convolutions the library above does not have: stride, dilation, groups, channels-last
+# source and destination, 64-channel rows with AMX-style weights, an asymmetric kernel
+AWKWARD_CONVS = [
+    dict(dtype="int8", shape=[1, 20, 7, 9], channels=32, kernel=[3, 3], pad=[1, 1],
+         stride=[2, 2], src="nChw16c", weights="OIhw4i16o4i", dst="nChw16c"),
+    dict(dtype="uint8", shape=[2, 16, 6, 8], channels=16, kernel=[3, 3], pad=[2, 2],
+         dilation=[2, 2], src="nChw16c", weights="OIhw4i16o4i", dst="nChw16c"),
+    dict(dtype="int8", shape=[1, 16, 5, 5], channels=16, kernel=[1, 3], pad=[0, 1],
+         src="nhwc", weights="OIhw4i16o4i", dst="nhwc"),
+    dict(dtype="int8", shape=[1, 32, 5, 6], channels=32, kernel=[3, 3], pad=[1, 1], groups=2,
+         src="nChw16c", weights="gOIhw4i16o4i", dst="nChw16c"),
+    dict(dtype="uint8", shape=[1, 64, 3, 17], channels=16, kernel=[2, 2], pad=[1, 0],
+         src="nhwc", weights="OIhw16i16o4i", dst="nChw16c"),
+]
+
+
+@pytest.mark.parametrize("spec", VNNI_SPEC["kernel"][:2] + [
+    {"name": f"conv_{i}", "op": "conv2d", **c} for i, c in enumerate(AWKWARD_CONVS)],
+    ids=lambda k: k["name"])
+def test_vnni_schedule_is_exact_on_any_cpu_with_the_reference_twin(spec, rng):
     """The same packing, tiling, shift and compensation with the plain-loop twin: what runs
-    where the CPU lacks VNNI (and a check of the schedule where it has it)."""
+    where the CPU lacks VNNI (and a check of the schedule on shapes the library lacks)."""
     from blockpad.schedules.x86_tensorized import Vnni
 
-    for k in VNNI_SPEC["kernel"][:2]:
-        sig, run = _twin(k, Vnni(reference=True), "avx512-vnni")
-        args = _inputs(sig, rng)
-        run(args)
-        _check(k["name"], sig, args, exact=True)
+    sig, run = _twin(spec, Vnni(reference=True), "avx512-vnni")
+    args = _inputs(sig, rng)
+    run(args)
+    _check(spec["name"], sig, args, exact=True)
 
 
 # ---- amx --------------------------------------------------------------------------------------
