@@ -38,6 +38,8 @@ that the algorithm runs, and is checked against numpy, on a CPU without the inst
 
 from __future__ import annotations
 
+import functools
+
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
@@ -129,19 +131,18 @@ class Vnni:
             return False
         if nest.extents[nest.n_sp - 1] % 16 or nest.extents[nest.r] % 4:
             return False
-        t_ext = nest.extents[nest.t]
-        outer = _tile_dst(sch, dst, nest.t, _divisor_at_most(t_ext, VNNI_ROWS), 16)
+        outer = _tile_dst(sch, dst, nest.t, _rows(nest.extents[nest.t]), 16)
         update, init = _tile_acc(sch, acc, nest, outer, 4)
         sch.unroll(sch.get_loops(update)[-3])
         sch.vectorize(sch.get_loops(init)[-1])
         sch.unroll(sch.get_loops(init)[-2])
         step = sch.blockize(sch.get_loops(update)[-2])
-        guard = _drop_guard(sch, step) if nest.guard is not None else None
+        cond = _lift_conditions(sch, step)
         intrin = xi.VNNI if nest.src_dtype == "uint8" else xi.VNNI_S8
         name = sch.get(step).name_hint
         sch.tensorize(step, xi.name(intrin, self.reference))
-        if guard is not None:
-            _predicate(sch, sch.get_sblock(name), guard)
+        if cond is not None:
+            _predicate(sch, sch.get_sblock(name), cond)
         return True
 
 
@@ -244,14 +245,15 @@ def _tile_acc(sch, acc, nest, at_loop, steps):
     return acc, init
 
 
-def _drop_guard(sch, step):
-    """Spatial padding, step 1: in the blockized step ``step`` (one intrinsic's worth of the
-    update), ``acc += cast(if_then_else(g, src, 0)) * w`` becomes ``acc += cast(src) * w``, so
-    that tensorize sees a plain dot product; returns ``g`` over the loop vars. ``g`` tests a
-    pixel, not a channel: it depends on no loop inside the step. Step 2, ``_predicate``, makes
-    it the tensorized step's predicate (tensorize refuses a predicated block): a step that
-    would read outside the image is skipped, which is adding the zero it would have read. The
-    init, decomposed before, still zeroes every accumulator."""
+def _lift_conditions(sch, step):
+    """Take the conditions off the blockized step ``step`` (one intrinsic's worth of the
+    update) so that tensorize, which refuses them, sees a plain dot product, and return them
+    over the loop vars (None if it had none) for ``_predicate`` to put back on the tensorized
+    step. Two kinds: the predicate of the rows of a last, partial register tile, and spatial
+    padding: ``acc += cast(if_then_else(g, src, 0)) * w`` becomes ``acc += cast(src) * w``
+    under ``g``, so that a step that would read outside the image is skipped, which is adding
+    the zero it would have read. Neither depends on a loop inside the step (they test rows and
+    pixels, not channels). The init, decomposed before, still zeroes every accumulator."""
     outer, outer_realize = sch.get(step), _realize(sch, step)
     inner_realize = []
     tvm_ffi.structural_walk(outer.body, (s_tir.SBlockRealize, inner_realize.append))
@@ -260,21 +262,25 @@ def _drop_guard(sch, step):
     guards = []
     tvm_ffi.structural_walk(inner.body, (tvm.ir.expr.Call, lambda c: guards.append(c) if getattr(
         c.op, "name", "").endswith("if_then_else") else None))
-    call = guards[0]
-    body = tvm_ffi.structural_map(
-        inner.body, (tvm.ir.expr.Call, lambda c: call.args[1] if c.same_as(call) else c))
-    new_inner = _with_body(inner, body)
+    conds = [] if _is_true(outer_realize.predicate) else [outer_realize.predicate]
+    if not guards and not conds:
+        return None
+    new_inner = inner
+    if guards:
+        call = guards[0]
+        new_inner = _with_body(inner, tvm_ffi.structural_map(
+            inner.body, (tvm.ir.expr.Call, lambda c: call.args[1] if c.same_as(call) else c)))
+        cond = _substitute(call.args[0], {iv.var: v for iv, v in
+                                          zip(inner.iter_vars, inner_realize.iter_values)})
+        conds.append(_substitute(cond, {iv.var: v for iv, v in
+                                        zip(outer.iter_vars, outer_realize.iter_values)}))
     new_outer = _with_body(outer, tvm_ffi.structural_map(outer.body, (
         s_tir.SBlockRealize, lambda r: s_tir.SBlockRealize(r.iter_values, r.predicate, new_inner)
         if r.same_as(inner_realize) else r)))
-    cond = _substitute(call.args[0], {iv.var: v for iv, v in
-                                      zip(inner.iter_vars, inner_realize.iter_values)})
-    cond = _substitute(cond, {iv.var: v for iv, v in
-                              zip(outer.iter_vars, outer_realize.iter_values)})
     _replace_realize(sch, step, s_tir.SBlockRealize(outer_realize.iter_values,
-                                                    outer_realize.predicate, new_outer),
+                                                    tirx.const(True, "bool"), new_outer),
                      {outer: new_outer, inner: new_inner})
-    return cond
+    return functools.reduce(tirx.And, conds)
 
 
 def _predicate(sch, block, cond):
@@ -315,6 +321,15 @@ def _is_true(e) -> bool:
 
 def _divisor_at_most(n: int, limit: int) -> int:
     return max(k for k in range(1, min(n, limit) + 1) if n % k == 0)
+
+
+def _rows(n: int) -> int:
+    """Rows of a VNNI register tile over ``n``: a divisor of ``n`` up to VNNI_ROWS, unless
+    that is less than half of the most even split (19 rows: 10 + 9, one row predicated off in
+    the last tile, rather than 19 tiles of 1)."""
+    even = -(-n // -(-n // VNNI_ROWS))
+    div = _divisor_at_most(n, VNNI_ROWS)
+    return div if 2 * div > even else even
 
 
 RULES = [Amx(), Vnni()]

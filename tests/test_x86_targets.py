@@ -425,9 +425,10 @@ def test_isa_counts_the_hot_loop_of_x86_and_arm_assembly():
 
 def test_isa_reports_the_built_libraries(vnni_dir, amx_dir):
     vnni, amx = _asm(vnni_dir), _asm(amx_dir)
-    # register tiles of 6-7 pixels: accumulators stay in zmm registers (no store), one
-    # broadcast load per pixel, one weight load and one compensation vpdpbusd per step
-    for name in ("conv_s8_halo", "conv_s8_pad", "conv_s8_stage"):
+    # register tiles of 6-10 rows (19 rows: 10 + 9, the last row of the second tile predicated
+    # off): accumulators stay in zmm registers (no store), one broadcast load per row, one
+    # weight load and one compensation vpdpbusd per step
+    for name in ("conv_s8_halo", "conv_s8_pad", "conv_s8_stage", "mm_s8_rows19"):
         where, m = isa.hot_loop(vnni, name, "x86_64")
         # (a store at most: LLVM may keep a loop counter in the frame)
         assert where == "loop" and m["dot"] >= 7 and m["stores"] <= 1 and not m["spills"], \
