@@ -297,16 +297,27 @@ class _Session:
                              f"append to them; move them away or fix them:\n  "
                              + "\n  ".join(broken))
         self.db = ms.database.JSONDatabase(work_dir=str(folder))
-        self.builder = make_builder(target)
-        evaluator = ms.runner.EvaluatorConfig(number=3, repeat=3, min_repeat_ms=40)
-        if rpc is None:
-            self.runner = ms.runner.LocalRunner(evaluator_config=evaluator, timeout_sec=60)
-        else:
-            config = ms.runner.RPCConfig(tracker_host=rpc.host, tracker_port=rpc.port,
-                                         tracker_key=rpc.key, session_timeout_sec=120)
-            self.runner = ms.runner.RPCRunner(rpc_config=config, evaluator_config=evaluator)
+        self.rpc = rpc
+        self._workers = None
         # build and run errors, per kernel: kept out of the (committed) logs folder
         self.error_dir = Path(tempfile.gettempdir()) / "blockpad-tune" / target.name
+
+    def workers(self):
+        """MetaSchedule's builder and runner, made on first use (each starts a worker process
+        to check itself: a re-run with nothing left to measure need not)."""
+        from tvm.s_tir import meta_schedule as ms
+
+        if self._workers is None:
+            evaluator = ms.runner.EvaluatorConfig(number=3, repeat=3, min_repeat_ms=40)
+            if self.rpc is None:
+                runner = ms.runner.LocalRunner(evaluator_config=evaluator, timeout_sec=60)
+            else:
+                config = ms.runner.RPCConfig(tracker_host=self.rpc.host,
+                                             tracker_port=self.rpc.port,
+                                             tracker_key=self.rpc.key, session_timeout_sec=120)
+                runner = ms.runner.RPCRunner(rpc_config=config, evaluator_config=evaluator)
+            self._workers = make_builder(self.target), runner
+        return self._workers
 
     def tune(self, k, label, trials) -> dict:
         from blockpad.schedules import space
@@ -362,7 +373,8 @@ class _Session:
         as MetaSchedule does, so that they are not tried again)."""
         from tvm.s_tir import meta_schedule as ms
 
-        built = self.builder.build([ms.builder.BuilderInput(wl, self.tvm_target) for wl in wls])
+        builder, runner = self.workers()
+        built = builder.build([ms.builder.BuilderInput(wl, self.tvm_target) for wl in wls])
         runs = {}
         ok = [i for i, b in enumerate(built) if b.error_msg is None]
         if ok:
@@ -370,7 +382,7 @@ class _Session:
                                             if self.tvm_target.kind.name != "llvm" else "cpu",
                                             ms.arg_info.ArgInfo.from_entry_func(wls[i]))
                       for i in ok]
-            runs = dict(zip(ok, (f.result() for f in self.runner.run(inputs))))
+            runs = dict(zip(ok, (f.result() for f in runner.run(inputs))))
         for i, (wl, b) in enumerate(zip(wls, built)):
             run = runs.get(i)
             error = b.error_msg or (run.error_msg if run is not None else None)

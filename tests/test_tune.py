@@ -94,7 +94,7 @@ def test_tune_measures_the_rule_variants_into_a_metaschedule_database(tuned):
     assert sch.get(sch.get_sblock("root")).annotations["blockpad.tuned"]
 
 
-def test_rerun_skips_what_is_recorded_and_continues_to_more_trials(tuned, tmp_path):
+def test_rerun_skips_what_is_recorded_continues_to_more_trials_and_rebuilds(tuned, tmp_path):
     logs = copy_logs(tuned, tmp_path)
     records = logs / "host" / tn.DB_FILES[1]
     before = records.read_text().count("\n")
@@ -103,11 +103,15 @@ def test_rerun_skips_what_is_recorded_and_continues_to_more_trials(tuned, tmp_pa
     assert [r["measured"] for r in again] == [0] * len(again)
     assert records.read_text().count("\n") == before
     assert any("already tuned" in line for line in lines)
+    out = tmp_path / "lib"
+    assert build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt
+    assert not build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt
     more = tn.tune(SPEC, "host", TRIALS + 1, logs, log=quiet(lines))
     assert [r["measured"] for r in more[:2]] == [1, 1]
     assert records.read_text().count("\n") == before + 2
     index = json.loads((logs / "host" / tn.INDEX).read_text())["kernels"]
     assert index["conv"]["trials"] == TRIALS + 1
+    assert build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt  # new records
 
 
 def test_interrupted_write_is_cut_off_and_the_run_continues(tuned, tmp_path, capsys):
@@ -203,15 +207,6 @@ def test_tuned_kernels_match_numpy(tuned_build, rng):
         dst = bp.Memory.zeros(kernel.signature.args[-1][2])
         kernel(*mems, dst)
         np.testing.assert_allclose(dst.to_numpy(), reference(entry, arrays), rtol=1e-4, atol=1e-4)
-
-
-def test_a_new_record_rebuilds(tuned, tmp_path):
-    logs = copy_logs(tuned, tmp_path)
-    out = tmp_path / "lib"
-    assert build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt
-    assert not build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt
-    tn.tune(SPEC, "host", TRIALS + 1, logs, log=lambda m: None)
-    assert build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt
 
 
 def test_corrupt_log_lines_warn_and_cost_only_themselves(tuned, tmp_path):
