@@ -7,8 +7,9 @@
 * ``amx_u8s8s32_16x16x64`` / ``amx_s8s8s32_16x16x64`` / ``amx_bf16f32_16x16x32``: one AMX
   tile multiply (``tdpbusd``, ``tdpbssd``, ``tdpbf16ps``), or ``n`` of them along the reduction
   with the accumulator kept in its tile (``amx_multiply``), and ``amx_cfg_zero_*``, which loads
-  the tile configuration and zeroes the accumulator tile. Tile configuration is per thread, so it lives in the tensorized init block,
-  which runs on the same pool thread as the updates that follow it.
+  the tile configuration and zeroes the accumulator tile. Tile configuration is per thread,
+  so it lives in the tensorized init block, which runs on the same pool thread as the updates
+  that follow it.
 
 Each intrinsic also has a ``*_ref`` implementation: plain loops with the same description,
 so a schedule tensorized with it runs the same algorithm (packing, blocking, accumulation order)

@@ -8,25 +8,28 @@ that nest, not the op or the layout tags:
   must also be the weights' second-innermost: weights packed ``...16o4i`` (``OIhw4i16o4i``,
   ``BA16b4a``), so that 16 outputs x 4 reduction steps are 64 contiguous bytes, one zmm;
 * ``r``: the reduction loop that walks both the source's and the weights' innermost dim;
-* ``t``: the destination's dim outside ``j`` (``ow``, matmul rows), the rows of a tile.
+* ``t``: the innermost destination dim that the source walks and the weights do not (``ow``,
+  matmul rows): the rows of a tile.
 
 ``Vnni`` (targets with ``avx512_vnni``): the micro-kernel of ``x86_conv.RegisterTiled`` with
-its FMAs replaced by dot products: ``dst`` tiled ``mr x 16``, ``acc`` per tile in registers,
-the reduction outside the tile, each step one ``vpdpbusd`` per row: 4 broadcast source bytes
-times the weight vector the rows share. blockpad's int8 ops are s8 (or u8) x s8; ``vpdpbusd``
-is u8 x s8, so s8 sources go through ``x86_intrin.VNNI_S8`` (shift by 128, compensated:
-exact). Spatial padding read through a guard (``if_then_else`` around the source) becomes the
-predicate of the update: a step that would read outside the image is skipped, which is adding
-the zero it would have read.
+its FMAs replaced by dot products: ``dst`` tiled ``mr x 16``, ``acc`` per tile, the reduction
+outside the tile, each step one ``vpdpbusd`` per row: 4 broadcast source bytes times the
+weight vector the rows share. The tile is a ``global`` buffer of under 1 KiB (``VNNI_ROWS``):
+TVM 0.27 puts those on the stack, where LLVM keeps them in registers, and every ``local`` one
+on the heap, where it cannot. blockpad's int8 ops are s8 (or u8) x s8; ``vpdpbusd`` is u8 x s8,
+so s8 sources go through ``x86_intrin.VNNI_S8`` (shift by 128, compensated: exact). Spatial
+padding read through a guard (``if_then_else`` around the source) and the rows of a last,
+partial tile become the predicate of a step (see ``_lift_conditions``).
 
 ``Amx`` (targets with ``amx_tile``): 16 x 16 output tiles, 64 int8 (``tdpbusd`` / ``tdpbssd``)
 or 32 bf16 (``tdpbf16ps``) reduction steps per tile multiply. All of loop ``r`` is one
 intrinsic (``x86_intrin.amx_multiply``): the accumulator tile is loaded from its per-tile
 scratch once, multiplied along the whole of ``r``, stored once (per filter tap for a
 convolution), and the epilogue reads the scratch. The tensorized init loads the tile
-configuration on the thread that runs the tile (it is per thread). Rows are source rows 64 bytes apart or more
-with a constant stride: matmul rows, or convolution output pixels of a channels-last source
-(``nhwc``) with 64 channels per row. Guarded (spatially padded) reads are left to ``Vnni``.
+configuration on the thread that runs the tile (it is per thread). Rows are source rows 64
+bytes apart or more with a constant stride: matmul rows, or convolution output pixels of a
+channels-last source (``nhwc``) with 64 channels per row. Guarded (spatially padded) reads,
+and dims that are not multiples of 16, are left to ``Vnni``.
 
 A rule returns None for what it does not take (another dtype, dims that are not multiples of
 the tile, a predicated or guarded nest it cannot tensorize), and the next rule in the table
@@ -55,8 +58,8 @@ VNNI_ROWS = 15   # register tile rows; 16 x 16 int32 would be 1 KiB, which TVM p
 
 class _Nest:
     """The dot-product shape of a fresh ``acc`` block, or ``ok = False``: which iter var is
-    ``j``, ``t`` and ``r`` (see the module doc), the source and weight element types, the
-    accumulator's, and the guard around the source read (None if it has none)."""
+    ``t`` and ``r`` (``j`` is the last spatial one; see the module doc), the source and weight
+    element types, the accumulator's, and the guard around the source read (None if none)."""
 
     def __init__(self, sch, acc):
         self.ok = False
