@@ -39,7 +39,6 @@ from .generic import root_blocks, spatial_parallel_vectorize
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 _IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
-LOAD_REGS = 3      # vector registers kept for weight vectors and the broadcast source element
 SPATIAL, REDUCE = 0, 2   # IterVar types
 UNROLL = 16        # the innermost reduction loop is unrolled up to this many steps
 
@@ -47,13 +46,16 @@ UNROLL = 16        # the innermost reduction loop is unrolled up to this many st
 @dataclass(frozen=True)
 class Config:
     """One variant of the micro-kernel: ``mr`` x ``nr`` accumulators (``nr`` elements of the
-    vector dim in vectors of ``lanes``, ``mr`` steps of the dim outside it), and whether the
-    innermost reduction loop (the source's channel block) is unrolled."""
+    vector dim in vectors of ``lanes``, ``mr`` steps of the dim outside it), whether the
+    innermost reduction loop (the source's channel block) is unrolled, and whether the threads
+    split the tiles of a row (more, smaller tasks) or only the rows and column panels (each
+    thread keeps a row's source lines in its own cache)."""
 
     mr: int
     nr: int
     lanes: int
     unroll: bool = True
+    parallel_tiles: bool = True
 
 
 class RegisterTiled:
@@ -66,7 +68,7 @@ class RegisterTiled:
     def space(self, func, target) -> list:
         """Complete, valid schedules of ``func``, the first one ``apply``'s: the design spaces
         ``schedules/space.py`` hands MetaSchedule (register tile shapes, one or two vectors of
-        columns, unrolled or rolled channel loop)."""
+        columns, unrolled or rolled channel loop, what the threads split)."""
         out = []
         for cfg in self.configs(func, target):
             sch = _schedule(func, target, cfg)
@@ -88,12 +90,14 @@ class RegisterTiled:
         out = []
         for nr in widths:
             vecs = -(-nr // lanes)
-            most = max(1, (regs - LOAD_REGS) // vecs)
+            most = max(1, (regs - 1 - vecs) // vecs)   # + the weights and a broadcast
             busy = -(-(3 * regs // 4) // vecs)
             out += [Config(mr, nr, lanes) for mr in _tile_heights(t_extent, most, busy)]
         out.sort(key=lambda c: (-round(_tile_score(c, t_extent, v_extent, lanes, regs), 3),
                                 -c.nr))
-        out.append(Config(out[0].mr, out[0].nr, lanes, unroll=False))
+        best = out[0]
+        out += [Config(best.mr, best.nr, lanes, unroll=False),
+                Config(best.mr, best.nr, lanes, parallel_tiles=False)]
         return out
 
 
@@ -157,7 +161,8 @@ def _tile(sch, acc, dst, cfg: Config):
         reduce = [*reduce[:i], *parts[:-1], *reduce[i + 1:], parts[-1]]
     sch.reorder(*reduce, at, av)
     sch.set_scope(acc, 0, "local")
-    sch.parallel(sch.fuse(*outer))
+    threads = outer if cfg.parallel_tiles or len(outer) < 2 else outer[:-1]
+    sch.parallel(sch.fuse(*threads) if len(threads) > 1 else threads[0])
     if cfg.unroll:   # a short innermost reduction loop whole; a long one (matmul's k) by 8
         inner = reduce[-1]
         if int(sch.get(inner).extent) > UNROLL:
@@ -376,15 +381,15 @@ def _unpredicated(func, name):
 def _tile_score(cfg: Config, t_extent: int, v_extent: int, lanes: int, regs: int) -> float:
     """Expected fraction of peak of a tile shape, for ranking: accumulators enough to hide the
     FMA latency (3/4 of the registers), not much more than one load (broadcast or weight
-    vector) per FMA (a one-vector tile broadcasts once per FMA), and no work on rows or columns
-    past the end, which costs more than its share (measured on 7x7: 7 x 8 > 4 x 16 > 6 x 16
-    with 12 rows computed)."""
+    vector) per FMA (a one-vector tile broadcasts once per FMA: 14 x 8 runs 14% below 6 x 16
+    per FMA on C=64 56x56), and no work on rows or columns past the end, which costs more than
+    its share (on 7x7: 7 x 8 > 4 x 16 > 6 x 16 with 12 rows computed)."""
     vecs = -(-cfg.nr // lanes)
     busy = 3 * regs // 4
     loads = (cfg.mr + vecs) / (cfg.mr * vecs)
     waste = (-(-t_extent // cfg.mr) * cfg.mr / t_extent) * (-(-v_extent // cfg.nr) * cfg.nr
                                                              / v_extent)
-    return min(cfg.mr * vecs, busy) / busy * min(1.0, 1 / loads) ** 0.5 / waste ** 1.5
+    return min(cfg.mr * vecs, busy) / busy * min(1.0, 1 / loads) ** 2 / waste ** 1.5
 
 
 def _tile_widths(width: int, lanes: int) -> list:

@@ -145,6 +145,7 @@ def _bound(lib, kernel, arrays):
 def _conv_peers(params, arrays):
     import torch
     import torch.nn.functional as F
+    import torch.utils.mkldnn
 
     x, w = torch.from_numpy(arrays["src"]), torch.from_numpy(arrays["weights"])
     kw = {"stride": tuple(params["stride"]), "padding": tuple(params["pad"])}
