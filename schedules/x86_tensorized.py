@@ -12,9 +12,11 @@ that nest, not the op or the layout tags:
   matmul rows): the rows of a tile.
 
 ``Vnni`` (targets with ``avx512_vnni``): the micro-kernel of ``x86_conv.RegisterTiled`` with
-its FMAs replaced by dot products: ``dst`` tiled ``mr x 16``, ``acc`` per tile, the reduction
-outside the tile, each step one ``vpdpbusd`` per row: 4 broadcast source bytes times the
-weight vector the rows share. The tile is a ``global`` buffer of under 1 KiB (``VNNI_ROWS``):
+its FMAs replaced by dot products: ``dst`` tiled ``mr`` rows x 1-3 vectors of 16 columns (along
+``u``, a dim the weights and the destination walk and the source does not: nChw16c's channel
+blocks; else along ``j``), ``acc`` per tile, the reduction outside the tile, each step one
+``vpdpbusd`` per row and column vector: 4 broadcast source bytes times the weight vectors
+every row shares (oneDNN's ``ur_w x nb_oc_blocking``). The tile is a ``global`` buffer of under 1 KiB (``VNNI_TILE``):
 TVM 0.27 puts those on the stack, where LLVM keeps them in registers, and every ``local`` one
 on the heap, where it cannot. blockpad's int8 ops are s8 (or u8) x s8; ``vpdpbusd`` is u8 x s8,
 so s8 sources go through ``x86_intrin.VNNI_S8`` (shift by 128, compensated: exact). Spatial
@@ -53,7 +55,8 @@ from .generic import root_blocks, spatial_parallel_vectorize
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 SPATIAL, REDUCE = 0, 2   # IterVar types
-VNNI_ROWS = 15   # register tile rows; 16 x 16 int32 would be 1 KiB, which TVM puts on the heap
+VNNI_TILE = 15   # vectors in a register tile; 16 x 16 int32 would be 1 KiB, which TVM puts on
+                 # the heap
 
 
 class _Nest:
@@ -105,6 +108,11 @@ class _Nest:
                        and _uses(src.indices[-1], self.vars[i])), None)
         if self.t is None or self.r is None:
             return
+        # u: a dim the weights and the destination walk and the source does not (the output
+        # channel blocks of nChw16c, matmul column blocks), for tiles of several columns
+        self.u = next((i for i in range(self.n_sp - 1) if i != self.t
+                       and any(_uses(x, self.vars[i]) for x in wei.indices)
+                       and not any(_uses(x, self.vars[i]) for x in src.indices)), None)
         self.guard = guards[0] if guards else None
         if self.guard is not None and (
                 not self.guard.args[1].same_as(src)       # a guard around anything else
@@ -113,6 +121,11 @@ class _Nest:
             return
         self.src_dtype, self.wei_dtype = str(src.source.dtype), str(wei.source.dtype)
         self.ok = True
+
+    @property
+    def column_blocks(self) -> int:
+        """16-wide column vectors of the destination: along ``u``, else along ``j``."""
+        return self.extents[self.u] if self.u is not None else self.extents[self.n_sp - 1] // 16
 
 
 class Vnni:
@@ -126,19 +139,33 @@ class Vnni:
     def apply(self, func, target):
         if op_of(func) not in self.ops or "avx512_vnni" not in target.features:
             return None
-        return _schedule(func, target, self._tile)
+        # two or three column vectors per row where the column blocks divide so, else one (a
+        # destination whose padding is left alone cannot have its loops reordered for them)
+        for blocks in (2, 3, 1):
+            sch = _schedule(func, target, functools.partial(self._tile, blocks=blocks))
+            if sch is not None:
+                return sch
+        return None
 
-    def _tile(self, sch, acc, dst, nest):
+    def _tile(self, sch, acc, dst, nest, blocks):
+        """A register tile of rows x ``blocks`` column vectors: each row's broadcast source
+        bytes feed ``blocks`` dot products, each weight vector every row."""
         if (nest.src_dtype, nest.wei_dtype, nest.acc_dtype) not in \
                 (("uint8", "int8", "int32"), ("int8", "int8", "int32")):
             return False
         if nest.extents[nest.n_sp - 1] % 16 or nest.extents[nest.r] % 4:
             return False
-        outer = _tile_dst(sch, dst, nest.t, _rows(nest.extents[nest.t]), 16)
-        update, init = _tile_acc(sch, acc, nest, outer, 4)
-        sch.unroll(sch.get_loops(update)[-3])
-        sch.vectorize(sch.get_loops(init)[-1])
-        sch.unroll(sch.get_loops(init)[-2])
+        if blocks > 1 and nest.column_blocks % blocks:
+            return False
+        rows = _rows(nest.extents[nest.t], VNNI_TILE // blocks)
+        outer = _tile_dst(sch, dst, nest, rows, blocks)
+        update, init = _tile_acc(sch, acc, nest, outer, 4, blocks)
+        for loop in sch.get_loops(update)[-2 - (blocks > 1) - 1:-2]:   # rows, column vectors
+            sch.unroll(loop)
+        *tile, vec = sch.get_loops(init)[-2 - (blocks > 1):]
+        sch.vectorize(vec)
+        for loop in tile:
+            sch.unroll(loop)
         step = sch.blockize(sch.get_loops(update)[-2])
         cond = _lift_conditions(sch, step)
         intrin = xi.VNNI if nest.src_dtype == "uint8" else xi.VNNI_S8
@@ -175,8 +202,8 @@ class Amx:
         steps = nest.extents[nest.r]   # the whole of r: one accumulator round trip per tile
         if nest.extents[nest.n_sp - 1] % 16 or nest.extents[nest.t] % 16 or steps % per_tile:
             return False
-        outer = _tile_dst(sch, dst, nest.t, 16, 16)
-        update, init = _tile_acc(sch, acc, nest, outer, steps)
+        outer = _tile_dst(sch, dst, nest, 16, 1)
+        update, init = _tile_acc(sch, acc, nest, outer, steps, 1)
         sch.tensorize(sch.get_loops(init)[-2], xi.name(zero, self.reference))
         sch.tensorize(sch.get_loops(update)[-3], xi.amx_multiply(
             multiply, steps // per_tile, self.reference))
@@ -205,45 +232,68 @@ def _schedule(func, target, tile):
     return sch
 
 
-def _tile_dst(sch, dst, t, rows, cols):
-    """Tile ``dst`` in ``rows`` of its loop ``t`` x ``cols`` of its innermost loop (column
-    panels outermost, so that their weights stay in cache while rows stream past), the loops
-    outside the tile fused in parallel; the tile's loops are unrolled rows and a vector of
-    columns. Returns the parallel loop."""
+def _tile_dst(sch, dst, nest, rows, blocks):
+    """Tile ``dst`` in ``rows`` of loop ``t`` x ``blocks`` vectors of 16 columns (along ``u``,
+    or along ``j`` when there is no ``u``); column panels outside row tiles, so that their
+    weights stay in cache while rows stream past; the loops outside the tile fused in
+    parallel, the tile's unrolled around a vector of 16 columns. Returns the parallel loop."""
     loops = sch.get_loops(dst)
-    *outer, v = loops
-    t_loop = outer.pop(t)
-    t_ext, v_ext = int(sch.get(t_loop).extent), int(sch.get(v).extent)
-    if rows < t_ext:
+    t_loop, v = loops[nest.t], loops[-1]
+    u = nest.u if blocks > 1 else None   # one vector: u stays where it is (no reorder)
+    u_loop = loops[u] if u is not None else None
+    outer = [l for i, l in enumerate(loops[:-1]) if i not in (nest.t, u)]
+    panels, cols = [], []
+    if int(sch.get(v).extent) > 16:
+        v_outer, v = sch.split(v, [None, 16])
+        if u_loop is None and nest.u is None and blocks > 1:
+            u_loop = v_outer
+        else:
+            panels.append(v_outer)
+    if u_loop is not None:
+        if blocks < int(sch.get(u_loop).extent):
+            u_outer, u_loop = sch.split(u_loop, [None, blocks])
+            panels.append(u_outer)
+        cols.append(u_loop)
+    if rows < int(sch.get(t_loop).extent):
         t_outer, t_loop = sch.split(t_loop, [None, rows])
-        outer.append(t_outer)
-    if cols < v_ext:
-        v_outer, v = sch.split(v, [None, cols])
-        outer.insert(len(outer) - (rows < t_ext), v_outer)
-    order = (*outer, t_loop, v)
+        panels.append(t_outer)
+    outer += panels
+    order = (*outer, t_loop, *cols, v)
     if not all(sch.get(a).same_as(sch.get(b)) for a, b in zip(sch.get_loops(dst), order)):
         sch.reorder(*order)   # only if needed: a predicated dst (padding left alone) refuses it
-    fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-    sch.parallel(fused)
-    sch.unroll(t_loop)
+    if outer:
+        fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+        sch.parallel(fused)
+    else:   # one tile is the whole destination: a unit loop to compute the tile at
+        fused = sch.add_unit_loop(t_loop)
+    for loop in (t_loop, *cols):
+        sch.unroll(loop)
     sch.vectorize(v)
     return fused
 
 
-def _tile_acc(sch, acc, nest, at_loop, steps):
+def _tile_acc(sch, acc, nest, at_loop, steps, blocks):
     """Compute ``acc`` per tile of ``dst`` (at ``at_loop``) in a tile-sized scratch: the
-    reduction loops outside the tile's rows and columns, loop ``r`` split so that ``steps`` of
-    it sit innermost (the intrinsic's reduction). Returns (update, init): their last three
-    loops are rows, columns and those steps."""
+    reduction loops outside the tile, loop ``r`` split so that ``steps`` of it sit innermost
+    (the intrinsic's reduction). Returns (update, init), whose last loops are the tile's rows,
+    its column vectors (``blocks > 1``), 16 columns and, for the update, those steps."""
     sch.compute_at(acc, at_loop, preserve_unit_loops=True)
     loops = sch.get_loops(acc)
     n_red = len(nest.vars) - nest.n_sp
-    at, av = loops[-n_red - nest.n_sp + nest.t], loops[-n_red - 1]   # rows, columns
+    spatial = loops[-n_red - nest.n_sp:-n_red]
+    at, av = spatial[nest.t], spatial[-1]   # rows, columns
+    cols = []
+    if blocks > 1:
+        if nest.u is not None:
+            cols = [spatial[nest.u]]
+        else:
+            col, av = sch.split(av, [None, 16])
+            cols = [col]
     reduce = list(loops[-n_red:])
     r = nest.r - nest.n_sp
     r_outer, r_inner = sch.split(reduce[r], [None, steps])
     reduce = [*reduce[:r], *reduce[r + 1:], r_outer]   # r's outer part walks the source innermost
-    sch.reorder(*reduce, at, av, r_inner)
+    sch.reorder(*reduce, at, *cols, av, r_inner)
     init = sch.decompose_reduction(acc, reduce[0])
     return acc, init
 
@@ -326,12 +376,12 @@ def _divisor_at_most(n: int, limit: int) -> int:
     return max(k for k in range(1, min(n, limit) + 1) if n % k == 0)
 
 
-def _rows(n: int) -> int:
-    """Rows of a VNNI register tile over ``n``: a divisor of ``n`` up to VNNI_ROWS, unless
-    that is less than half of the most even split (19 rows: 10 + 9, one row predicated off in
-    the last tile, rather than 19 tiles of 1)."""
-    even = -(-n // -(-n // VNNI_ROWS))
-    div = _divisor_at_most(n, VNNI_ROWS)
+def _rows(n: int, limit: int) -> int:
+    """Rows of a register tile over ``n``: a divisor of ``n`` up to ``limit``, unless that is
+    less than half of the most even split (19 rows, limit 15: 10 + 9, one row predicated off
+    in the last tile, rather than 19 tiles of 1)."""
+    even = -(-n // -(-n // limit))
+    div = _divisor_at_most(n, limit)
     return div if 2 * div > even else even
 
 

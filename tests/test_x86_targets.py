@@ -216,9 +216,10 @@ def test_vnni_int8_kernels_are_tensorized_to_vpdpbusd(vnni_dir):
         assert dots and all("zmm" in l for l in dots), f"{name}: no zmm vpdpbusd"
         # no widening multiply-add chain: the dot product is the instruction itself
         assert not _has(code, "vpmaddubsw"), name
-    # the hot loop of a register tile: one weight vector feeds every row's vpdpbusd
+    # 6 rows x 32 columns is one register tile of 6 x 2 vectors: each broadcast source
+    # dword feeds two vpdpbusd
     _, m = isa.hot_loop(funcs, "mm_u8", "x86_64")
-    assert m["dot"] >= 6 and m["spills"] == 0, m
+    assert m["dot"] >= 12 and m["dot"] / m["loads"] >= 0.75, m
 
 
 def test_vnni_fp32_conv_is_16_lane_zmm_fma(vnni_dir):
@@ -425,15 +426,19 @@ def test_isa_counts_the_hot_loop_of_x86_and_arm_assembly():
 
 def test_isa_reports_the_built_libraries(vnni_dir, amx_dir):
     vnni, amx = _asm(vnni_dir), _asm(amx_dir)
-    # register tiles of 6-10 rows (19 rows: 10 + 9, the last row of the second tile predicated
-    # off): accumulators stay in zmm registers (no store), one broadcast load per row, one
-    # weight load and one compensation vpdpbusd per step
-    for name in ("conv_s8_halo", "conv_s8_pad", "conv_s8_stage", "mm_s8_rows19"):
+    # register tiles: accumulators stay in zmm registers (no store, no spill); per reduction
+    # step one broadcast load per row, one weight load per column vector (and, s8, one
+    # compensation vpdpbusd per column vector). One column vector where the destination has
+    # one 16-channel block, or its loops may not be reordered (dst_stage leaves its padding
+    # alone); two (K = 24 -> 32) or three (N = 48) where the blocks divide so, and then each
+    # broadcast feeds as many dot products. 19 rows: tiles of 5, the last one's extra row
+    # predicated off.
+    for name, least in (("conv_s8_halo", 0.9), ("conv_s8_stage", 0.9), ("conv_s8_pad", 1.5),
+                        ("conv_s8_masked", 1.5), ("mm_s8_rows19", 2.0)):
         where, m = isa.hot_loop(vnni, name, "x86_64")
         # (a store at most: LLVM may keep a loop counter in the frame)
-        assert where == "loop" and m["dot"] >= 7 and m["stores"] <= 1 and not m["spills"], \
-            (name, m)
-        assert m["dot"] / m["loads"] >= 0.85, (name, m)   # a weight load feeds every row
+        assert where == "loop" and m["stores"] <= 1 and not m["spills"], (name, m)
+        assert m["dot"] / m["loads"] >= least, (name, m)
     # K = 96 bf16 is 3 multiplies per output tile: A and B tiles for each, C loaded once
     where, m = isa.hot_loop(amx, "mm_bf16", "x86_64")
     assert m["dot"] == 3 and m["tile_loads"] == 2 * 3 + 1, m
