@@ -11,9 +11,10 @@ whole has none: then the whole kernel is counted, and says so). For that loop it
 * ``dot``: vector FMAs, dot products and multiply-adds (``vfmadd*``, ``vpdpbusd``,
   ``vpmadd*``, ``tdp*``, ``fmla``, ``sdot``, ``smlal``, ``fma.rn``, ``mma``), the work;
 * ``loads`` / ``stores``: instructions that read / write memory (a folded load operand counts);
-* ``spills``: loads and stores of vector registers from and to the stack (a register tile
-  that did not fit; PTX: ``.local``); scalar stack traffic (loop state kept in the frame) is
-  not counted;
+* ``spills``: loads and stores of vector registers from and to the stack: a register tile
+  that did not fit, or a stack buffer written with vector stores (AMX's 64-byte tile
+  configuration); PTX: ``.local``. Scalar stack traffic (loop state kept in the frame) is not
+  counted;
 * ``dot/load``: the ratio a register-blocked kernel raises (oneDNN's and BLIS's aim). For AMX
   it is tile multiplies per tile load (``tiles``): each multiply needs an A and a B tile, so
   0.5 is the ceiling short of reusing tiles across multiplies, and the accumulator tile's load
