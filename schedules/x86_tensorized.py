@@ -44,6 +44,7 @@ that the algorithm runs, and is checked against numpy, on a CPU without the inst
 from __future__ import annotations
 
 import functools
+from typing import ClassVar
 
 import tvm
 import tvm_ffi
@@ -181,7 +182,7 @@ class Amx:
 
     ops = ("conv2d", "matmul")
     # (source, weights, accumulator) -> (tile multiply, init, reduction steps per multiply)
-    KINDS = {("uint8", "int8", "int32"): (xi.AMX_INT8, xi.AMX_ZERO_I32, 64),
+    KINDS: ClassVar[dict] = {("uint8", "int8", "int32"): (xi.AMX_INT8, xi.AMX_ZERO_I32, 64),
              ("int8", "int8", "int32"): (xi.AMX_S8, xi.AMX_ZERO_I32, 64),
              # bf16 arrives as its uint16 bits, reinterpreted per element (codegen/ops/matmul.py)
              ("uint16", "uint16", "float32"): (xi.AMX_BF16, xi.AMX_ZERO_F32, 32)}

@@ -6,10 +6,9 @@ accumulation order) and the real one is checked in the assembly."""
 import numpy as np
 import pytest
 import tvm
-from tvm import te
-
 from blockpad.runtime import machine
 from blockpad.schedules import x86_intrin as xi
+from tvm import te
 
 M, N, K = 32, 48, 128
 
@@ -85,8 +84,8 @@ def _data(rng, step, packing):
     return x, packing(w), want
 
 
-VNNI_PACK = lambda w: w.reshape(N // 16, 16, K // 4, 4).transpose(0, 2, 1, 3).copy()  # noqa: E731
-AMX_PACK = lambda w: w.T.reshape(K // 4, 4, N).transpose(0, 2, 1).copy()              # noqa: E731
+VNNI_PACK = lambda w: w.reshape(N // 16, 16, K // 4, 4).transpose(0, 2, 1, 3).copy()
+AMX_PACK = lambda w: w.T.reshape(K // 4, 4, N).transpose(0, 2, 1).copy()
 
 
 def test_vnni_reference_twin_equals_numpy(rng):
