@@ -182,10 +182,12 @@ class Amx:
 
     ops = ("conv2d", "matmul")
     # (source, weights, accumulator) -> (tile multiply, init, reduction steps per multiply)
-    KINDS: ClassVar[dict] = {("uint8", "int8", "int32"): (xi.AMX_INT8, xi.AMX_ZERO_I32, 64),
-             ("int8", "int8", "int32"): (xi.AMX_S8, xi.AMX_ZERO_I32, 64),
-             # bf16 arrives as its uint16 bits, reinterpreted per element (codegen/ops/matmul.py)
-             ("uint16", "uint16", "float32"): (xi.AMX_BF16, xi.AMX_ZERO_F32, 32)}
+    KINDS: ClassVar[dict] = {
+        ("uint8", "int8", "int32"): (xi.AMX_INT8, xi.AMX_ZERO_I32, 64),
+        ("int8", "int8", "int32"): (xi.AMX_S8, xi.AMX_ZERO_I32, 64),
+        # bf16 arrives as its uint16 bits, reinterpreted per element (codegen/ops/matmul.py)
+        ("uint16", "uint16", "float32"): (xi.AMX_BF16, xi.AMX_ZERO_F32, 32),
+    }
 
     def __init__(self, reference: bool = False):
         self.reference = reference
