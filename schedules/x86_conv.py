@@ -45,8 +45,9 @@ UNROLL = 16        # the innermost reduction loop is unrolled up to this many st
 
 @dataclass(frozen=True)
 class Config:
-    """One variant of the micro-kernel: ``mr`` x ``nr`` accumulators (``nr`` elements of the
-    vector dim in vectors of ``lanes``, ``mr`` steps of the dim outside it), whether the
+    """One variant of the micro-kernel: ``mu`` x ``mr`` x ``nr`` accumulators (``nr`` elements
+    of the vector dim in vectors of ``lanes``, ``mr`` steps of the dim outside it, ``mu`` blocks
+    of output channels: each broadcast source element meets ``mu`` weight blocks), whether the
     innermost reduction loop (the source's channel block) is unrolled, and whether the threads
     split the tiles of a row (more, smaller tasks) or only the rows and column panels (each
     thread keeps a row's source lines in its own cache)."""
@@ -56,24 +57,28 @@ class Config:
     lanes: int
     unroll: bool = True
     parallel_tiles: bool = True
+    mu: int = 1
 
 
 class RegisterTiled:
     ops = ("conv2d", "matmul")
 
     def apply(self, func, target):
-        configs = self.configs(func, target)
-        return _schedule(func, target, configs[0]) if configs else None
+        space = self.space(func, target, first=True)
+        return space[0] if space else None
 
-    def space(self, func, target) -> list:
+    def space(self, func, target, first=False) -> list:
         """Complete, valid schedules of ``func``, the first one ``apply``'s: the design spaces
         ``schedules/space.py`` hands MetaSchedule (register tile shapes, one or two vectors of
-        columns, unrolled or rolled channel loop, what the threads split)."""
+        columns, unrolled or rolled channel loop, what the threads split). ``first``: stop
+        at the first that schedules."""
         out = []
         for cfg in self.configs(func, target):
             sch = _schedule(func, target, cfg)
             if sch is not None:
                 out.append(sch)
+                if first:
+                    break
         return out
 
     def configs(self, func, target) -> list:
@@ -83,21 +88,25 @@ class RegisterTiled:
         shape = _nest_shape(func)
         if shape is None:
             return []
-        t_extent, v_extent, dtype, predicated = shape
+        t_extent, v_extent, dtype, predicated, u_extent = shape
         lanes = vector_lanes(target, dtype)
         regs = 32 if "avx512f" in target.features else 16
         widths = [v_extent] if predicated else _tile_widths(v_extent, lanes)
         out = []
         for nr in widths:
-            vecs = -(-nr // lanes)
-            most = max(1, (regs - 1 - vecs) // vecs)   # + the weights and a broadcast
-            busy = -(-(3 * regs // 4) // vecs)
-            out += [Config(mr, nr, lanes) for mr in _tile_heights(t_extent, most, busy)]
+            for mu in (1, 2) if u_extent % 2 == 0 and not predicated else (1,):
+                vecs = mu * -(-nr // lanes)
+                # + the weights and a broadcast; AVX-512 tiles past 24 accumulators spill
+                # when the channel loop is unrolled (measured: 12 x 2 x 16 beats 14 x 2 x 16)
+                most = max(1, (regs - 1 - vecs - (regs // 8 if regs > 16 else 0)) // vecs)
+                busy = -(-(3 * regs // 4) // vecs)
+                out += [Config(mr, nr, lanes, mu=mu)
+                        for mr in _tile_heights(t_extent, most, busy)]
         out.sort(key=lambda c: (-round(_tile_score(c, t_extent, v_extent, lanes, regs), 3),
-                                -c.nr))
+                                -c.nr, c.mu))
         best = out[0]
-        out += [Config(best.mr, best.nr, lanes, unroll=False),
-                Config(best.mr, best.nr, lanes, parallel_tiles=False)]
+        out += [Config(best.mr, best.nr, lanes, unroll=False, mu=best.mu),
+                Config(best.mr, best.nr, lanes, parallel_tiles=False, mu=best.mu)]
         return out
 
 
@@ -133,7 +142,24 @@ def _nest_shape(func):
     # a predicated block (the valid plan's) can be split but not reordered: its columns stay whole
     pred = _realize(sch, dst).predicate
     predicated = not (isinstance(pred, tirx.IntImm) and pred.value == 1)
-    return extents[-2], extents[-1], str(block.writes[0].source.dtype), predicated
+    u = _weights_block_dim(block, n_sp)
+    return (extents[-2], extents[-1], str(block.writes[0].source.dtype), predicated,
+            extents[u] if u is not None else 1)
+
+
+def _weights_block_dim(block, n_sp):
+    """The destination dim outside the tile that only the weights depend on (the output
+    channel block of ``nChw16c``), or None."""
+    def uses(region, var):
+        return any(any(u.same_as(var) for u in tirx.analysis.undefined_vars(r.min))
+                   for r in region.region)
+    if len(block.reads) < 2:
+        return None
+    for d, iv in enumerate(block.iter_vars[:n_sp - 2]):
+        if int(iv.dom.extent) > 1 and not uses(block.reads[0], iv.var) \
+                and uses(block.reads[1], iv.var):
+            return d
+    return None
 
 
 def _tile(sch, acc, dst, cfg: Config):
@@ -144,14 +170,22 @@ def _tile(sch, acc, dst, cfg: Config):
     loops = sch.get_loops(dst)
     v_extent = int(sch.get(loops[-1]).extent)
     *outer, t, v = loops                   # dst in tiles of mr x nr, column panels outermost
+    u = _weights_block_dim(block, len(loops)) if cfg.mu > 1 else None
+    tile = []
+    if u is not None:
+        outer[u], u_inner = sch.split(outer[u], [None, cfg.mu])
+        tile.append(u_inner)
     t_outer, t = sch.split(t, [None, cfg.mr])
     if cfg.nr < v_extent:
         v_outer, v = sch.split(v, [None, cfg.nr])
         outer.append(v_outer)
-        sch.reorder(*outer, t_outer, t, v)
+    if tile or cfg.nr < v_extent:   # a predicated block refuses even a no-op reorder
+        sch.reorder(*outer, t_outer, *tile, t, v)
     outer.append(t_outer)
     sch.compute_at(acc, outer[-1], preserve_unit_loops=True)
-    *_, at, av = sch.get_loops(acc)[:-n_red]
+    acc_loops = sch.get_loops(acc)[:-n_red]
+    at, av = acc_loops[-2:]
+    a_tile = [acc_loops[len(acc_loops) - len(loops) + u]] if u is not None else []
     reduce = sch.get_loops(acc)[-n_red:]
     split = _innermost_reduction(block, [int(sch.get(l).extent) for l in reduce])
     if split is not None:
@@ -159,7 +193,7 @@ def _tile(sch, acc, dst, cfg: Config):
         parts = sch.split(reduce[i], [None, b]) if b < int(sch.get(reduce[i]).extent) \
             else [reduce[i]]
         reduce = [*reduce[:i], *parts[:-1], *reduce[i + 1:], parts[-1]]
-    sch.reorder(*reduce, at, av)
+    sch.reorder(*reduce, *a_tile, at, av)
     sch.set_scope(acc, 0, "local")
     threads = outer if cfg.parallel_tiles or len(outer) < 2 else outer[:-1]
     sch.parallel(sch.fuse(*threads) if len(threads) > 1 else threads[0])
@@ -167,13 +201,17 @@ def _tile(sch, acc, dst, cfg: Config):
         inner = reduce[-1]
         if int(sch.get(inner).extent) > UNROLL:
             reduce[-1:] = sch.split(inner, [None, math.gcd(UNROLL, int(sch.get(inner).extent))])
-            sch.reorder(*reduce, at, av)
+            sch.reorder(*reduce, *a_tile, at, av)
         sch.unroll(reduce[-1])
-    sch.unroll(at)
+    for loop in (*a_tile, at):
+        sch.unroll(loop)
     _vectors(sch, av, cfg.lanes)           # before decompose_reduction (tvm027.md 1a)
     init = sch.decompose_reduction(acc, reduce[0])
-    for b, (bt, bv) in ((init, sch.get_loops(init)[-2:]), (dst, (t, v))):
-        sch.unroll(bt)
+    init_loops = sch.get_loops(init)
+    init_tile = [init_loops[len(init_loops) - len(loops) + u]] if u is not None else []
+    for rows, bv in ((init_tile + init_loops[-2:-1], init_loops[-1]), ((*tile, t), v)):
+        for loop in rows:
+            sch.unroll(loop)
         _vectors(sch, bv, cfg.lanes)
 
 
@@ -384,7 +422,7 @@ def _tile_score(cfg: Config, t_extent: int, v_extent: int, lanes: int, regs: int
     vector) per FMA (a one-vector tile broadcasts once per FMA: 14 x 8 runs 14% below 6 x 16
     per FMA on C=64 56x56), and no work on rows or columns past the end, which costs more than
     its share (on 7x7: 7 x 8 > 4 x 16 > 6 x 16 with 12 rows computed)."""
-    vecs = -(-cfg.nr // lanes)
+    vecs = cfg.mu * -(-cfg.nr // lanes)
     busy = 3 * regs // 4
     loads = (cfg.mr + vecs) / (cfg.mr * vecs)
     waste = (-(-t_extent // cfg.mr) * cfg.mr / t_extent) * (-(-v_extent // cfg.nr) * cfg.nr
