@@ -16,13 +16,16 @@ was measured for another target or TVM version, and says so (``Logs.warnings``, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -277,8 +280,33 @@ def tune(spec, target="host", trials=16, out=None, rpc: Rpc | None = None, log=N
     kernels = [k for req in spec.kernels for k in make_kernels(req)]
     kernels += _runtime_zero_pads(kernels)
     session = _Session(target, folder, rpc, log)
-    return [session.tune(k, f"[{i}/{len(kernels)}] {k.name}", trials)
-            for i, k in enumerate(kernels, 1)]
+    with _interruptible():
+        return [session.tune(k, f"[{i}/{len(kernels)}] {k.name}", trials)
+                for i, k in enumerate(kernels, 1)]
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C stops tuning as KeyboardInterrupt, also when it lands in MetaSchedule's Python
+    builder or runner, called through TVM's FFI, which turns it into a bare RuntimeError."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hit = []
+
+    def handler(signum, frame):
+        hit.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    except Exception:
+        if hit:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _Session:
@@ -332,24 +360,24 @@ class _Session:
             self._index(k.name, space.workload(k.func), trials=0, skipped=ONE_VARIANT)
             return {"kernel": k.name, "measured": 0, "skipped": ONE_VARIANT}
         wls = [space.workload(f) for f in funcs]
-        for i in [i for i, wl in enumerate(wls[:trials]) if not _well_formed(wl)]:
-            self.log(f"{label}: variant {i} left out: ill-formed TIR, which MetaSchedule cannot "
-                     f"store")
         key = target_key(self.tvm_target)
         logs = Logs(self.folder.parent, self.target)
         done = {i: [r for r in logs.records(wl) if target_key(r.target) == key]
                 for i, wl in enumerate(wls[:trials])}
-        todo = [i for i, recs in done.items() if not recs and _well_formed(wls[i])]
-        best = min((_mean(r) for recs in done.values() for r in recs), default=None)
-        best = best if best is not None and best < FAILED else None
+        measured = sum(1 for recs in done.values() if recs)
+        todo = [i for i, recs in done.items() if not recs]
+        for i in [i for i in todo if not _well_formed(wls[i])]:
+            self.log(f"{label}: variant {i} left out: ill-formed TIR, which MetaSchedule cannot "
+                     f"store")
+            todo.remove(i)
+        best = _best([r for recs in done.values() for r in recs])
         if not todo:
-            self.log(f"{label}: already tuned ({len(done)} of {len(funcs)} variants measured, "
+            self.log(f"{label}: already tuned ({measured} of {len(funcs)} variants measured, "
                      f"best {_us(best)}); skipped")
             return {"kernel": k.name, "measured": 0, "best_us": _us_value(best)}
-        self._index(k.name, space.workload(k.func), trials=len(done) - len(todo))
+        self._index(k.name, space.workload(k.func), trials=measured)
         self.log(f"{label}: {len(funcs)} schedule variants, measuring {len(todo)}"
-                 + (f" ({len(done) - len(todo)} measured before)" if len(todo) < len(done)
-                    else ""))
+                 + (f" ({measured} measured before)" if measured else ""))
         t0, failed = time.perf_counter(), 0
         batch = 2 * self.cores
         for n in range(0, len(todo), batch):
@@ -357,11 +385,10 @@ class _Session:
             for i, secs, error in self._measure([wls[i] for i in chunk]):
                 if error:
                     failed += 1
-                    self._error_log(k.name).warning("variant %d: %s", i, error)
+                    self._error_log(k.name).warning("variant %d: %s", chunk[i], error)
                 elif best is None or secs < best:
                     best = secs
-            self._index(k.name, space.workload(k.func), trials=len(done) - len(todo) + n +
-                        len(chunk))
+            self._index(k.name, space.workload(k.func), trials=measured + n + len(chunk))
             self.log(f"{label}: {n + len(chunk)}/{len(todo)} trials, best so far {_us(best)}")
         self.log(f"{label}: done in {time.perf_counter() - t0:.0f} s, best {_us(best)}"
                  + (f"; {failed} trials failed (see {self.error_dir})" if failed else ""))
@@ -443,6 +470,12 @@ def _well_formed(wl) -> bool:
     except Exception:  # noqa: BLE001 - TVM raises InternalError/ValueError variants
         return False
     return True
+
+
+def _best(records):
+    """The fastest valid mean time of ``records``, or None."""
+    times = [t for t in map(_mean, records) if t < FAILED]
+    return min(times) if times else None
 
 
 def _us(secs) -> str:

@@ -5,7 +5,9 @@ corrupt and stale logs; measuring through an RPC tracker and server on loopback.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -128,10 +130,33 @@ def test_interrupted_write_is_cut_off_and_the_run_continues(tuned, tmp_path, cap
     assert "[1/7] conv: already tuned" in err
 
 
-def _spec_file(tmp_path):
+def test_ctrl_c_keeps_every_finished_trial_and_a_rerun_measures_the_rest(tmp_path):
+    """A real interrupt: SIGINT once the first batch is recorded, while the second runs."""
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "blockpad", "tune", str(_spec_file(tmp_path, [CONV])),
+           "--trials", "5", "--out", str(logs)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TVM_NUM_THREADS": "2"})   # batches of 4
+    err = []
+    for line in proc.stderr:
+        err.append(line)
+        if "4/5 trials" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(err) + rest
+    assert "interrupted; every finished trial is recorded" in rest
+    db = ms.database.JSONDatabase(work_dir=str(logs / "host"), allow_missing=False)
+    assert len(db) == 4
+    again = tn.tune(parse_spec({"kernel": [CONV]}), "host", 5, logs, log=lambda m: None)
+    assert again[0]["measured"] == 1
+    assert len(ms.database.JSONDatabase(work_dir=str(logs / "host"))) == 5
+
+
+def _spec_file(tmp_path, entries=(CONV, MATMUL, REORDER)):
     path = tmp_path / "spec.toml"
     lines = []
-    for entry in (CONV, MATMUL, REORDER):
+    for entry in entries:
         lines.append("[[kernel]]")
         for k, v in entry.items():
             lines.append(f"{k} = {_toml(v)}")
