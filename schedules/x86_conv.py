@@ -96,10 +96,8 @@ class RegisterTiled:
         for nr in widths:
             for mu in (1, 2) if u_extent % 2 == 0 and not predicated else (1,):
                 vecs = mu * -(-nr // lanes)
-                # + the weights and a broadcast; AVX-512 tiles past 24 accumulators spill
-                # when the channel loop is unrolled (measured: 12 x 2 x 16 beats 14 x 2 x 16)
-                most = max(1, (regs - 1 - vecs - (regs // 8 if regs > 16 else 0)) // vecs)
-                busy = -(-(3 * regs // 4) // vecs)
+                most = max(1, _accumulators(regs, vecs)[0] // vecs)
+                busy = -(-_accumulators(regs, vecs)[1] // vecs)
                 out += [Config(mr, nr, lanes, mu=mu)
                         for mr in _tile_heights(t_extent, most, busy)]
         out.sort(key=lambda c: (-round(_tile_score(c, t_extent, v_extent, lanes, regs), 3),
@@ -416,14 +414,24 @@ def _unpredicated(func, name):
     return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, drop))
 
 
+def _accumulators(regs: int, vecs: int) -> tuple:
+    """(most, enough) accumulator registers for a tile ``vecs`` vectors wide. AVX2: all but
+    the weight vectors and a broadcast, 12 enough (two FMA ports x 4 cycles, and slack). With
+    32 registers LLVM spills the unrolled channel loop past 16 accumulators (measured on
+    C=64 56x56: 8 x 2 x 16 runs at ~90% of the AVX-512 peak, 12 x 2 x 16 and 28 x 16 at 55%)."""
+    if regs > 16:
+        return regs // 2, regs // 2
+    return regs - 1 - vecs, 3 * regs // 4
+
+
 def _tile_score(cfg: Config, t_extent: int, v_extent: int, lanes: int, regs: int) -> float:
     """Expected fraction of peak of a tile shape, for ranking: accumulators enough to hide the
-    FMA latency (3/4 of the registers), not much more than one load (broadcast or weight
+    FMA latency (``_accumulators``), not much more than one load (broadcast or weight
     vector) per FMA (a one-vector tile broadcasts once per FMA: 14 x 8 runs 14% below 6 x 16
     per FMA on C=64 56x56), and no work on rows or columns past the end, which costs more than
     its share (on 7x7: 7 x 8 > 4 x 16 > 6 x 16 with 12 rows computed)."""
     vecs = cfg.mu * -(-cfg.nr // lanes)
-    busy = 3 * regs // 4
+    busy = _accumulators(regs, vecs)[1]
     loads = (cfg.mr + vecs) / (cfg.mr * vecs)
     waste = (-(-t_extent // cfg.mr) * cfg.mr / t_extent) * (-(-v_extent // cfg.nr) * cfg.nr
                                                              / v_extent)
