@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from .common import interleaved, table
+from .common import interleaved, native_target, table
 
 EPS = 1e-5
 
@@ -118,9 +118,13 @@ def fresh_process(shape, policy, cache_dir):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main(repeat=7, threads=None, quick=False, policy="dst_fused", hw=None):
+def main(repeat=7, threads=None, quick=False, policy="dst_fused", hw=None, target=None):
     if threads:
         os.environ["TVM_NUM_THREADS"] = str(threads)
+    # kernels for the widest ISA this CPU runs unless told: PyTorch's oneDNN picks AVX-512
+    # at run time where the CPU has it
+    os.environ["BLOCKPAD_JIT_TARGET"] = target or os.environ.get("BLOCKPAD_JIT_TARGET") \
+        or native_target()
     # Two thread pools share the cores: TVM's workers and PyTorch's OpenMP team both spin
     # after their work by default, and whichever ran last then steals the cores from the
     # other (measured here: PyTorch 40x slower right after a blockpad call). Both are told to
@@ -144,7 +148,8 @@ def main(repeat=7, threads=None, quick=False, policy="dst_fused", hw=None):
     setup = time.perf_counter() - t0
     err = float(np.abs(got - reference(x, p)).max())
     print(f"\nbenchmark: ResNet block {list(shape)} (C={c}, padded to "
-          f"{-(-c // 16) * 16} in nChw16c), policy {policy}, {threads} thread(s)")
+          f"{-(-c // 16) * 16} in nChw16c), policy {policy}, {threads} thread(s), kernels "
+          f"for {os.environ['BLOCKPAD_JIT_TARGET']}")
     print(f"first run (plan + kernels from the cache, JIT on a miss): {setup:.2f} s; "
           f"max |error| vs numpy {err:.1e}")
     print(g.plan(x=x).describe())
