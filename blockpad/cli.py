@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
     p.add_argument("--target", default=None,
-                   help="target of blockpad's kernels (ops; default: the widest this CPU runs)")
+                   help="target of blockpad's kernels (ops, resnet; default: the widest "
+                   "this CPU runs)")
     p.set_defaults(run=_bench)
 
     p = sub.add_parser("report", help="run a measured report")
@@ -141,7 +142,8 @@ def _bench(args):
     if args.what == "resnet":
         from .bench import resnet
 
-        resnet.main(repeat=args.repeat, threads=args.threads, quick=args.quick)
+        resnet.main(repeat=args.repeat, threads=args.threads, quick=args.quick,
+                    target=args.target)
         return
     if args.what == "ops":
         from .bench import ops
