@@ -41,16 +41,12 @@ SPEC = parse_spec({"library": {"name": "tune-test"}, "kernel": [CONV, MATMUL, RE
 HOST = get_target("host")
 
 
-def quiet(messages):
-    return messages.append
-
-
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     """The spec tuned once for the module: (logs folder, tune results, printed lines)."""
     out = tmp_path_factory.mktemp("tuning_logs")
     lines = []
-    results = tn.tune(SPEC, "host", TRIALS, out, log=quiet(lines))
+    results = tn.tune(SPEC, "host", TRIALS, out, log=lines.append)
     return out, results, lines
 
 
@@ -58,7 +54,7 @@ def tuned(tmp_path_factory):
 def tuned_build(tuned, tmp_path_factory):
     out = tmp_path_factory.mktemp("tuned_build")
     lines = []
-    result = build(SPEC, "host", out, tuning_logs=tuned[0], log=quiet(lines))
+    result = build(SPEC, "host", out, tuning_logs=tuned[0], log=lines.append)
     return result, lines
 
 
@@ -101,14 +97,14 @@ def test_rerun_skips_what_is_recorded_continues_to_more_trials_and_rebuilds(tune
     records = logs / "host" / tn.DB_FILES[1]
     before = records.read_text().count("\n")
     lines = []
-    again = tn.tune(SPEC, "host", TRIALS, logs, log=quiet(lines))
+    again = tn.tune(SPEC, "host", TRIALS, logs, log=lines.append)
     assert [r["measured"] for r in again] == [0] * len(again)
     assert records.read_text().count("\n") == before
     assert any("already tuned" in line for line in lines)
     out = tmp_path / "lib"
     assert build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt
     assert not build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt
-    more = tn.tune(SPEC, "host", TRIALS + 1, logs, log=quiet(lines))
+    more = tn.tune(SPEC, "host", TRIALS + 1, logs, log=lines.append)
     assert [r["measured"] for r in more[:2]] == [1, 1]
     assert records.read_text().count("\n") == before + 2
     index = json.loads((logs / "host" / tn.INDEX).read_text())["kernels"]
@@ -244,7 +240,7 @@ def test_corrupt_log_lines_warn_and_cost_only_themselves(tuned, tmp_path):
     with open(folder / tn.DB_FILES[1], "a") as f:
         f.write("[99, []]\n{not json\n")
     messages = []
-    result = build(SPEC, "host", tmp_path / "lib", tuning_logs=logs, log=quiet(messages))
+    result = build(SPEC, "host", tmp_path / "lib", tuning_logs=logs, log=messages.append)
     warnings = [m for m in messages if m.startswith("warning:")]
     assert any("database_workload.json: line 1 is corrupt" in w for w in warnings), warnings
     assert any("database_tuning_record.json: line 7 is corrupt" in w for w in warnings)
@@ -257,7 +253,7 @@ def test_unreadable_index_warns_and_falls_back(tuned, tmp_path):
     logs = copy_logs(tuned, tmp_path)
     (logs / "host" / tn.INDEX).write_text("{")
     messages = []
-    result = build(SPEC, "host", tmp_path / "lib", tuning_logs=logs, log=quiet(messages))
+    result = build(SPEC, "host", tmp_path / "lib", tuning_logs=logs, log=messages.append)
     assert any("blockpad.json: unreadable" in m for m in messages)
     assert not any(k["tuned"] for k in result.manifest["kernels"])
 
