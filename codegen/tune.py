@@ -41,6 +41,7 @@ from .targets import Target, get_target
 DB_FILES = ("database_workload.json", "database_tuning_record.json")
 INDEX = "blockpad.json"
 ONE_VARIANT = "its schedule rule has one variant, nothing to choose"
+STRIDED = "a strided argument (MetaSchedule's runners allocate dense tensors)"
 FAILED = 1e9   # a failed build or run is recorded as MetaSchedule does: run_secs = [1e10]
 
 
@@ -350,15 +351,12 @@ class _Session:
     def tune(self, k, label, trials) -> dict:
         from blockpad.schedules import space
 
-        if not _compact(k):
-            self.log(f"{label}: skipped: a strided argument (MetaSchedule's runners allocate "
-                     f"dense tensors)")
-            return {"kernel": k.name, "measured": 0, "skipped": "strided argument"}
         funcs = space.variants(k.func, self.target)
-        if len(funcs) < 2:
-            self.log(f"{label}: skipped: {ONE_VARIANT}")
-            self._index(k.name, space.workload(k.func), trials=0, skipped=ONE_VARIANT)
-            return {"kernel": k.name, "measured": 0, "skipped": ONE_VARIANT}
+        skipped = STRIDED if not _compact(k) else ONE_VARIANT if len(funcs) < 2 else None
+        if skipped:
+            self.log(f"{label}: skipped: {skipped}")
+            self._index(k.name, space.workload(k.func), trials=0, skipped=skipped)
+            return {"kernel": k.name, "measured": 0, "skipped": skipped}
         wls = [space.workload(f) for f in funcs]
         key = target_key(self.tvm_target)
         logs = Logs(self.folder.parent, self.target)

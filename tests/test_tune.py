@@ -272,6 +272,16 @@ def test_stale_records_fall_back_with_the_reason(tuned, tmp_path, field, value, 
     assert choice.func is None and choice.status["reason"].startswith(reason)
 
 
+def test_records_of_variants_the_rules_no_longer_make_are_not_applied(tuned, monkeypatch):
+    unmeasured = space.variants(kernel_func("conv"), HOST)[TRIALS:]
+    monkeypatch.setattr(space, "variants", lambda func, target: unmeasured)
+    choice = tn.Logs(tuned[0], HOST).choose("conv", kernel_func("conv"), HOST.tvm_target())
+    assert choice.func is None
+    assert choice.status["reason"] == (f"none of the {len(unmeasured)} variants the schedule "
+                                       f"rules produce now was measured (the rules changed "
+                                       f"since tuning)")
+
+
 def test_records_of_another_target_are_never_applied(tuned):
     other = tvm.target.Target({**HOST.tvm, "mcpu": "haswell"})
     choice = tn.Logs(tuned[0], HOST).choose("conv", kernel_func("conv"), other)
