@@ -183,7 +183,8 @@ class Logs:
         now = _hash(space.workload(func))
         if entry.get("workload") != now:
             return _default(f"workload hash mismatch: tuned {entry.get('workload')}, now {now} "
-                            f"(the kernel's code changed since it was tuned)")
+                            f"(the kernel's code changed since it was tuned, or another kernel "
+                            f"of this name was tuned)")
         key = target_key(tvm_target)
         funcs = space.variants(func, self.target)
         best, trials, others = None, 0, set()
@@ -369,11 +370,11 @@ class _Session:
                      f"store")
             todo.remove(i)
         best = _best([r for recs in done.values() for r in recs])
+        self._index(k.name, space.workload(k.func), trials=measured)
         if not todo:
             self.log(f"{label}: already tuned ({measured} of {len(funcs)} variants measured, "
                      f"best {_us(best)}); skipped")
             return {"kernel": k.name, "measured": 0, "best_us": _us_value(best)}
-        self._index(k.name, space.workload(k.func), trials=measured)
         self.log(f"{label}: {len(funcs)} schedule variants, measuring {len(todo)}"
                  + (f" ({measured} measured before)" if measured else ""))
         t0, failed = time.perf_counter(), 0
@@ -403,8 +404,7 @@ class _Session:
         runs = {}
         ok = [i for i, b in enumerate(built) if b.error_msg is None]
         if ok:
-            inputs = [ms.runner.RunnerInput(built[i].artifact_path, self.tvm_target.kind.name
-                                            if self.tvm_target.kind.name != "llvm" else "cpu",
+            inputs = [ms.runner.RunnerInput(built[i].artifact_path, "cpu",
                                             ms.arg_info.ArgInfo.from_entry_func(wls[i]))
                       for i in ok]
             runs = dict(zip(ok, (f.result() for f in runner.run(inputs))))

@@ -207,7 +207,8 @@ def test_build_applies_the_fastest_record_and_says_which_kernels_are_tuned(tuned
         assert len(measured) == TRIALS
         fastest = min(measured, key=measured.get)
         assert kernels[name]["tuning"]["variant"] == fastest
-        assert kernels[name]["tuning"]["mean_us"] == pytest.approx(measured[fastest] * 1e6, abs=1e-3)
+        assert kernels[name]["tuning"]["mean_us"] == pytest.approx(measured[fastest] * 1e6,
+                                                                   abs=1e-3)
         with open(f"{result.out_dir}/source/{name}.tir.py") as f:
             assert f.read() == variants[fastest].script()
     untuned = [k for k in kernels if k not in ("conv", "mm")]   # the reorder, the zero pads
