@@ -5,13 +5,14 @@ A rule may expose ``space(func, target) -> list[Schedule]``: complete schedules 
 the first one what ``apply`` returns (register tiles, vector widths, parallel splits). A rule
 without it contributes its one schedule. Tuning measures these variants.
 
-Why each variant is its own workload, with an empty trace, rather than one workload per kernel
-with a trace per variant (MetaSchedule's ``ScheduleFn`` way): a rule may rewrite ``func``
-before it schedules it (x86_conv stages the convolution window's source), so a variant's trace
-does not replay on the kernel's function, and MetaSchedule replays every trace when it opens a
-database (it refuses such records: "old_outputs.size() == new_outputs.size()"). A scheduled
-function with an empty trace is a record any MetaSchedule tool opens and applies, and matching
-it needs no replay: a build regenerates the variants and looks their structural hashes up.
+Why each variant is its own workload, with a trivial trace, rather than one workload per
+kernel with a trace per variant (MetaSchedule's ``ScheduleFn`` way): a rule may rewrite
+``func`` before it schedules it (x86_conv stages the convolution window's source), so a
+variant's trace does not replay on the kernel's function, and MetaSchedule replays every trace
+when it opens a database (it refuses such records: "old_outputs.size() ==
+new_outputs.size()"). A scheduled function with a trace that only annotates it is a record any
+MetaSchedule tool opens and applies, and matching it needs no replay: a build regenerates the
+variants and looks their structural hashes up.
 MetaSchedule's generic space (``PostOrderApply``) is not searched: given the same handful of
 trials it found kernels ten times slower than the rules' (a 3x3 conv: 208 us against 22.7 us
 in 8 trials).
