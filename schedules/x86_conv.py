@@ -5,23 +5,36 @@ physical index space: ``acc`` (the reduction) and ``dst`` (post-ops, cast, paddi
 micro-kernel is the classic one (oneDNN's jit convolutions, BLIS):
 
 * the destination's innermost physical dim (the channel block of ``nChw16c``, a panel of
-  matmul columns) is the vector dim, ``nr`` lanes: at most two registers;
-* the dim outside it (``ow``, matmul rows) is the register tile, ``mr`` rows: ``mr x nr``
-  accumulators fill the register file but for the weight vectors and the broadcast source
-  element (measured: 6 x 16 with a predicated last tile beats 4 x 16 without one on OW = 56);
+  matmul columns) is the vector dim, ``nr`` elements in one or two registers; the dim outside
+  it (``ow``, matmul rows) gives ``mr`` rows; for convolutions the output-channel block dim
+  may add ``mu = 2`` blocks, so each broadcast source element meets ``mu x nr / lanes``
+  weight vectors: ``mu x mr x nr`` accumulators (AVX2: 6 x 16 = 12 ymm; AVX-512: 2 x 8 x 16 =
+  16 zmm, past which LLVM spills the unrolled loop);
 * ``dst`` is tiled so, and ``acc`` is computed per tile (``compute_at``) into a tile-sized
-  local buffer that LLVM keeps in registers: zeroed, then the reduction, whose loops sit between
-  the tile's outer and inner loops, the one that walks the source's channel block innermost, so
-  that each step is ``mr`` FMAs of a broadcast source element by the same weight vector(s);
-  then the epilogue (post-ops, cast, padding store) on the registers;
+  local buffer that LLVM keeps in registers: zeroed, then the reduction, whose loops sit
+  between the tile's outer and inner loops with the one that walks the source's channel block
+  innermost and unrolled (kh, kw outside it), so that each step is broadcast, weight loads and
+  FMAs (``vbroadcastss`` + ``vfmadd231ps``); then the epilogue (post-ops, cast, padding store)
+  on the registers;
+* no guard or predicate in the hot loop: spatial padding fused into the reads (``if_then_else``
+  per broadcast) is staged into a zero-haloed copy of the source, a stage of the kernel
+  (``_staged_source``: one pass over the source against a branch per FMA pair), and a tile that
+  overhangs its dim is computed whole (``_whole_tiles``: rows past the end read the last row,
+  columns past the end read the blocked layout's padding); only the destination store is
+  predicated;
 * the loops outside the tile run in parallel, fused into one (TVM's pool gives each thread a
   contiguous chunk); a panel of columns outside the rows, so its weights stay in cache while the
   rows stream past.
 
-The rule reads loops and index expressions, never layout tags, and takes every conv and matmul:
-a vector dim that is not a multiple of the lanes gets a partial vector (nchw with OW = 7) or a
-predicated tail, as does a tile that does not divide its dim, so odd shapes are slower, never
-wrong. It returns None (generic fallback) only if a schedule primitive refuses the nest.
+Tile shapes are ranked by a small model (``_tile_score``: enough accumulators to hide the FMA
+latency, loads per FMA, work past the end), calibrated by measurement on the benchmark shapes
+of ``examples/bench_host.toml``; ``RegisterTiled.space`` hands the ranked variants (tile shapes,
+vectors per tile, rolled channel loop, what the threads split) to MetaSchedule.
+
+The rule reads loops and index expressions, never layout tags, and takes every conv and matmul;
+shapes no variant tiles whole (plain weights with a ragged column count) get a predicated tail,
+slower, never wrong. It returns None (generic fallback) only if a schedule primitive refuses
+the nest.
 """
 
 from __future__ import annotations
@@ -72,14 +85,18 @@ class RegisterTiled:
         ``schedules/space.py`` hands MetaSchedule (register tile shapes, one or two vectors of
         columns, unrolled or rolled channel loop, what the threads split). ``first``: stop
         at the first that schedules."""
-        out = []
-        for cfg in self.configs(func, target):
-            sch = _schedule(func, target, cfg)
-            if sch is not None:
-                out.append(sch)
-                if first:
-                    break
-        return out
+        configs = self.configs(func, target)
+        for tails in (False, True):     # a predicated column tail only where nothing else fits
+            out = []
+            for cfg in configs:
+                sch = _schedule(func, target, cfg, tails)
+                if sch is not None:
+                    out.append(sch)
+                    if first:
+                        return out
+            if out:
+                return out
+        return []
 
     def configs(self, func, target) -> list:
         """The default Config first, then its neighbours; [] if ``func`` is not this rule's."""
@@ -108,9 +125,14 @@ class RegisterTiled:
         return out
 
 
-def _schedule(func, target, cfg: Config):
-    sch = s_tir.Schedule(_whole_tiles(_staged_source(_unpredicated(func, "acc")),
-                                      cfg.mr, cfg.nr))
+def _schedule(func, target, cfg: Config, tails=False):
+    """The schedule of ``cfg``, or None where it would leave a predicated vector tail in the
+    hot loop (columns past the end that no source pads, which TVM scalarises) unless
+    ``tails``, or where a primitive refuses the nest."""
+    func, whole = _whole_tiles(_staged_source(_unpredicated(func, "acc")), cfg.mr, cfg.nr)
+    if not whole and not tails:
+        return None
+    sch = s_tir.Schedule(func)
     try:
         acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
         stages = [b for b in root_blocks(sch) if sch.get(b).name_hint not in ("acc", "dst")]
@@ -301,12 +323,13 @@ def _staged_source(func):
 
 
 def _whole_tiles(func, mr, nr):
-    """``func`` with the ``acc`` stage computed over whole ``mr x nr`` tiles: its register-tile
-    dim rounded up to ``mr`` (the extra rows read the last real row: clamped, in bounds) and
-    its vector dim to ``nr`` where every source read stays inside its buffer (a blocked
-    layout's padding), so the hot loop has no predicated tail; only the destination stage,
-    outside the reduction, keeps the predicate. ``acc`` is the kernel's own scratch: what the
-    extra rows and columns hold is never stored."""
+    """(``func`` with the ``acc`` stage computed over whole ``mr x nr`` tiles, whether its
+    columns are whole too). The register-tile dim is rounded up to ``mr`` (the extra rows read
+    the last real row: clamped, in bounds) and the vector dim to ``nr`` where every source
+    read stays inside its buffer (a blocked layout's padding), so the hot loop has no
+    predicated tail; only the destination stage, outside the reduction, keeps the predicate.
+    ``acc`` is the kernel's own scratch: what the extra rows and columns hold is never
+    stored."""
     realizes = []
     tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
     realize = next(r for r in realizes if r.block.name_hint == "acc")
@@ -330,8 +353,9 @@ def _whole_tiles(func, mr, nr):
     body = tvm_ffi.structural_map(blk.body, (tvm.ir.expr.TensorLoad, clamped))
     if new[v] != ext[v] and not _in_bounds(blk, body, acc_buf, new):
         new[v] = ext[v]
+    whole = new[v] % nr == 0 or nr >= ext[v]
     if new == ext:
-        return func
+        return func, whole
     loop_ext = {realize.iter_values[d]: (ext[d], new[d]) for d in range(n_sp)
                 if new[d] != ext[d]}
     reads = [tirx.BufferRegion(r.source, [
@@ -357,7 +381,8 @@ def _whole_tiles(func, mr, nr):
         return loop
 
     func = tvm_ffi.structural_map(func, [(s_tir.SBlockRealize, swap_realize), (tirx.For, swap_loop)])
-    return tvm_ffi.structural_map(func, (tirx.Var, lambda x: grown if x.same_as(acc_buf) else x))
+    return tvm_ffi.structural_map(func, (tirx.Var, lambda x: grown if x.same_as(acc_buf) else x)), \
+        whole
 
 
 def _in_bounds(blk, body, acc_buf, extents) -> bool:

@@ -61,14 +61,14 @@ def main(what="conv", repeat=5, threads=None, quick=False, png=None):
                "TVM_THREAD_POOL_SPIN_COUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}
         cmd = [sys.executable, "-m", "blockpad.bench.conv", what, json.dumps(dirs),
                str(repeat), str(int(quick))]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
         if proc.returncode:
             sys.stderr.write(proc.stderr)
             raise SystemExit(f"benchmark worker ({n} threads) failed")
         rows = json.loads(proc.stdout.strip().splitlines()[-1])
         report(what, n, rows, repeat)
         results += [{**r, "threads": n} for r in rows]
-    plot(what, results, png or f"bench_{what}.png")
+    plot(what, results, png or str(BUILD / f"bench_{what}.png"))
     return results
 
 
