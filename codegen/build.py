@@ -145,7 +145,7 @@ def _write_sources(out_dir, funcs, lib, target):
 
 def _log_tuning(log, tuning, logs_dir):
     """Which kernels got a tuning record and which the default schedule, and why."""
-    tuned = [f"{n} ({s['mean_us']} us)" for n, s in tuning.items() if s["tuned"]]
+    tuned = [f"{n} ({s['time_us']} us)" for n, s in tuning.items() if s["tuned"]]
     log(f"tuning records ({logs_dir}): {len(tuned)} of {len(tuning)} kernels tuned"
         + (f": {', '.join(tuned)}" if tuned else ""))
     for name, s in tuning.items():

@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -194,7 +195,7 @@ class Logs:
                     others.add(str(rec.target.export().get("mcpu") or rec.target.kind.name))
                     continue
                 trials += 1
-                secs = _mean(rec)
+                secs = record_time(rec)
                 if secs < FAILED and (best is None or secs < best[1]):
                     best = (i, secs)
         if best is None:
@@ -205,16 +206,18 @@ class Logs:
             return _default(why)
         return Choice(funcs[best[0]], {"tuned": True, "variant": best[0],
                                        "variants": len(funcs), "trials": trials,
-                                       "mean_us": round(best[1] * 1e6, 3)})
+                                       "time_us": round(best[1] * 1e6, 3)})
 
 
 def _default(reason) -> Choice:
     return Choice(None, {"tuned": False, "reason": reason})
 
 
-def _mean(record) -> float:
+def record_time(record) -> float:
+    """A record's time: the median of its repeats, which one burst of another process's work
+    on a shared machine does not move (MetaSchedule's own queries rank by the mean)."""
     secs = [float(s) for s in (record.run_secs or [])]
-    return sum(secs) / len(secs) if secs else 2 * FAILED
+    return statistics.median(secs) if secs else 2 * FAILED
 
 
 # ---- tuning ------------------------------------------------------------------------------------
@@ -338,7 +341,7 @@ class _Session:
         from tvm.s_tir import meta_schedule as ms
 
         if self._workers is None:
-            evaluator = ms.runner.EvaluatorConfig(number=3, repeat=3, min_repeat_ms=40)
+            evaluator = ms.runner.EvaluatorConfig(number=3, repeat=5, min_repeat_ms=40)
             if self.rpc is None:
                 runner = ms.runner.LocalRunner(evaluator_config=evaluator, timeout_sec=60)
             else:
@@ -418,7 +421,7 @@ class _Session:
             self.db.commit_tuning_record(record)
             if b.artifact_path:
                 shutil.rmtree(os.path.dirname(b.artifact_path), ignore_errors=True)
-            yield i, sum(secs) / len(secs), error
+            yield i, statistics.median(secs), error
 
     def _index(self, name, wl, trials, skipped=None):
         """Record which kernel function ``name`` was tuned as, with which TVM (before the
@@ -471,8 +474,8 @@ def _well_formed(wl) -> bool:
 
 
 def _best(records):
-    """The fastest valid mean time of ``records``, or None."""
-    times = [t for t in map(_mean, records) if t < FAILED]
+    """The fastest valid time of ``records``, or None."""
+    times = [t for t in map(record_time, records) if t < FAILED]
     return min(times) if times else None
 
 
