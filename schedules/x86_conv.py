@@ -451,16 +451,15 @@ def _accumulators(regs: int, vecs: int) -> tuple:
 
 def _tile_score(cfg: Config, t_extent: int, v_extent: int, lanes: int, regs: int) -> float:
     """Expected fraction of peak of a tile shape, for ranking: accumulators enough to hide the
-    FMA latency (``_accumulators``), not much more than one load (broadcast or weight
-    vector) per FMA (a one-vector tile broadcasts once per FMA: 14 x 8 runs 14% below 6 x 16
-    per FMA on C=64 56x56), and no work on rows or columns past the end, which costs more than
-    its share (on 7x7: 7 x 8 > 4 x 16 > 6 x 16 with 12 rows computed)."""
+    FMA latency (``_accumulators``); broadcasts that each feed more than one FMA (one-vector
+    tiles measured at ~2/3 the rate: 14 x 8 against 5 x 16 on 14-wide rows, against 6 x 16 on
+    56-wide ones); and no work on rows or columns past the end, which costs more than its
+    share (on 7x7: 4 x 16 ~ 7 x 8 > 6 x 16 with 12 rows computed)."""
     vecs = cfg.mu * -(-cfg.nr // lanes)
     busy = _accumulators(regs, vecs)[1]
-    loads = (cfg.mr + vecs) / (cfg.mr * vecs)
     waste = (-(-t_extent // cfg.mr) * cfg.mr / t_extent) * (-(-v_extent // cfg.nr) * cfg.nr
                                                              / v_extent)
-    return min(cfg.mr * vecs, busy) / busy * min(1.0, 1 / loads) ** 2 / waste ** 1.5
+    return min(cfg.mr * vecs, busy) / busy * (1.0 if vecs > 1 else 0.65) / waste ** 1.5
 
 
 def _tile_widths(width: int, lanes: int) -> list:
