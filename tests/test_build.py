@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -186,6 +187,15 @@ def test_inspect_shows_tir_and_asm(reorder_lib_dir):
     assert "def to_halo(" in tir and "T.vectorized" in tir
     asm = show(reorder_lib_dir, "asm", "to_halo")
     assert "__tvm_ffi_to_halo" in asm and "__tvm_ffi_from_halo" not in asm
+    # a parallel kernel's hot loop is in the bodies it launches: shown with it, and only there
+    bodies = {}
+    for name in bp.load(reorder_lib_dir).kernels:
+        if "T.parallel" in show(reorder_lib_dir, "tir", name):
+            text = show(reorder_lib_dir, "asm", name)
+            bodies[name] = set(re.findall(r"(?m)^(\.L__tvm_parallel_lambda[.\d]*):", text))
+            assert bodies[name] and "mm" in text, name   # vector registers: xmm, ymm
+    assert bodies, "no parallel kernel in the library"
+    assert sum(len(b) for b in bodies.values()) == len(set().union(*bodies.values()))
     with pytest.raises(bp.LoadError, match="no kernel 'nope'"):
         show(reorder_lib_dir, "tir", "nope")
     with pytest.raises(bp.LoadError, match="has no cuda source"):
