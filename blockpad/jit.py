@@ -29,16 +29,18 @@ def compile_kernels(entries, policy, target, out_dir) -> None:
 @functools.lru_cache(maxsize=1)
 def fingerprint() -> str:
     """Hash of the sources that decide what a build emits (layouts, the code generator, the
-    schedules), found by path so that nothing is imported: disk cache entries made by another
-    version are rebuilt. Same file set as ``codegen.build.code_digest``."""
+    schedules) and of the tuning records builds apply, found by path so that nothing is
+    imported: disk cache entries made by another version, or before a new record, are rebuilt.
+    The sources are ``codegen.build.code_digest``'s file set."""
     import blockpad
     from blockpad import errors, layout
 
     files = [Path(layout.__file__), Path(errors.__file__)]
-    for pkg in ("blockpad.codegen", "blockpad.schedules"):
+    for pkg, pattern in (("blockpad.codegen", "*.py"), ("blockpad.schedules", "*.py"),
+                         ("blockpad.tuning_logs", "*.json")):
         spec = importlib.util.find_spec(pkg)
         for root in spec.submodule_search_locations or []:
-            files += sorted(Path(root).rglob("*.py"))
+            files += sorted(Path(root).rglob(pattern))
     h = hashlib.sha256(blockpad.__version__.encode())
     for f in files:
         h.update(f.read_bytes())

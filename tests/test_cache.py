@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,6 +167,23 @@ def test_stale_or_damaged_disk_entries_are_rebuilt(tmp_path):
     KernelCache(compiler=v3, cache_dir=tmp_path).get(relu())
     assert len(v3.calls) == 1
     assert json.loads((entry / "request.json").read_text())["fingerprint"] == "codegen-v2"
+
+
+def test_fingerprint_covers_the_tuning_records():
+    """A new tuning record changes what builds emit, so JIT entries made before it are stale."""
+    import blockpad.tuning_logs
+
+    logs = Path(blockpad.tuning_logs.__path__[0]) / "test-fingerprint-target"
+    before = fingerprint()
+    try:
+        logs.mkdir()
+        (logs / "database_tuning_record.json").write_text("[]\n")
+        fingerprint.cache_clear()
+        assert fingerprint() != before
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+        fingerprint.cache_clear()
+    assert fingerprint() == before
 
 
 def test_prebuilt_library_kernels_match_exactly(tmp_path):
