@@ -43,6 +43,7 @@ DB_FILES = ("database_workload.json", "database_tuning_record.json")
 INDEX = "blockpad.json"
 ONE_VARIANT = "its schedule rule has one variant, nothing to choose"
 STRIDED = "a strided argument (MetaSchedule's runners allocate dense tensors)"
+ROUNDS = 5     # measurements of each variant, interleaved with the other variants
 FAILED = 1e9   # a failed build or run is recorded as MetaSchedule does: run_secs = [1e10]
 
 
@@ -190,14 +191,16 @@ class Logs:
         funcs = space.variants(func, self.target)
         best, trials, others = None, 0, set()
         for i, f in enumerate(funcs):
+            mine = []
             for rec in self.records(space.workload(f)):
-                if target_key(rec.target) != key:
+                if target_key(rec.target) == key:
+                    mine.append(rec)
+                else:
                     others.add(str(rec.target.export().get("mcpu") or rec.target.kind.name))
-                    continue
-                trials += 1
-                secs = record_time(rec)
-                if secs < FAILED and (best is None or secs < best[1]):
-                    best = (i, secs)
+            trials += len(mine)
+            secs = variant_time(mine)
+            if secs is not None and (best is None or secs < best[1]):
+                best = (i, secs)
         if best is None:
             why = (f"records only for another target ({', '.join(sorted(others))})" if others
                    and not trials else f"all {trials} trials failed" if trials else
@@ -214,10 +217,17 @@ def _default(reason) -> Choice:
 
 
 def record_time(record) -> float:
-    """A record's time: the median of its repeats, which one burst of another process's work
-    on a shared machine does not move (MetaSchedule's own queries rank by the mean)."""
+    """A record's time: the median of its repeats (MetaSchedule's own queries rank by the
+    mean, which one burst of another process's work on a shared machine moves)."""
     secs = [float(s) for s in (record.run_secs or [])]
     return statistics.median(secs) if secs else 2 * FAILED
+
+
+def variant_time(records):
+    """A variant's time: the median over its records (one per measuring round), None if
+    every trial failed."""
+    times = [t for t in map(record_time, records) if t < FAILED]
+    return statistics.median(times) if times else None
 
 
 # ---- tuning ------------------------------------------------------------------------------------
@@ -341,7 +351,7 @@ class _Session:
         from tvm.s_tir import meta_schedule as ms
 
         if self._workers is None:
-            evaluator = ms.runner.EvaluatorConfig(number=3, repeat=5, min_repeat_ms=40)
+            evaluator = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40)
             if self.rpc is None:
                 runner = ms.runner.LocalRunner(evaluator_config=evaluator, timeout_sec=60)
             else:
@@ -353,6 +363,8 @@ class _Session:
         return self._workers
 
     def tune(self, k, label, trials) -> dict:
+        from tvm.s_tir import meta_schedule as ms
+
         from blockpad.schedules import space
 
         funcs = space.variants(k.func, self.target)
@@ -372,7 +384,7 @@ class _Session:
             self.log(f"{label}: variant {i} left out: ill-formed TIR, which MetaSchedule cannot "
                      f"store")
             todo.remove(i)
-        best = _best([r for recs in done.values() for r in recs])
+        best = min(filter(None, map(variant_time, done.values())), default=None)
         self._index(k.name, space.workload(k.func), trials=measured)
         if not todo:
             self.log(f"{label}: already tuned ({measured} of {len(funcs)} variants measured, "
@@ -380,48 +392,62 @@ class _Session:
             return {"kernel": k.name, "measured": 0, "best_us": _us_value(best)}
         self.log(f"{label}: {len(funcs)} schedule variants, measuring {len(todo)}"
                  + (f" ({measured} measured before)" if measured else ""))
-        t0, failed = time.perf_counter(), 0
+        t0 = time.perf_counter()
+        built, failed = self._build(k.name, label, wls, todo)
+        times = {i: [] for i in built}
+        _, runner = self.workers()
+        inputs = {i: ms.runner.RunnerInput(path, "cpu", ms.arg_info.ArgInfo.from_entry_func(wls[i]))
+                  for i, path in built.items()}
+        for r in range(ROUNDS):   # every variant once per round: they share the clock's drift
+            live = [i for i in built if i not in failed]
+            for i, run in zip(live, [f.result() for f in runner.run([inputs[i] for i in live])]):
+                if run.error_msg:
+                    failed.add(i)
+                    self._error_log(k.name).warning("variant %d: %s", i, run.error_msg)
+                    self._commit(wls[i], [1e10])
+                else:
+                    times[i].append(statistics.median(float(t) for t in run.run_secs))
+                    self._commit(wls[i], run.run_secs)
+            self._index(k.name, space.workload(k.func), trials=measured + len(todo))
+            best = _best_of(times, failed, best)
+            self.log(f"{label}: round {r + 1}/{ROUNDS} of {len(live)} variants, best so far "
+                     f"{_us(best)}")
+        for path in built.values():
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        self.log(f"{label}: done in {time.perf_counter() - t0:.0f} s, best {_us(best)}"
+                 + (f"; {len(failed)} variants failed (see {self.error_dir})" if failed else ""))
+        return {"kernel": k.name, "measured": len(todo), "failed": len(failed),
+                "best_us": _us_value(best)}
+
+    def _build(self, name, label, wls, todo):
+        """Compile variants ``todo`` (a batch at a time); a failed build is recorded as
+        MetaSchedule does (run_secs [1e10]), so that it is not tried again. Returns the
+        artifact paths by variant, and the variants that failed."""
+        from tvm.s_tir import meta_schedule as ms
+
+        builder, _ = self.workers()
+        built, failed = {}, set()
         batch = 2 * self.cores
         for n in range(0, len(todo), batch):
             chunk = todo[n:n + batch]
-            for i, secs, error in self._measure([wls[i] for i in chunk]):
-                if error:
-                    failed += 1
-                    self._error_log(k.name).warning("variant %d: %s", chunk[i], error)
-                elif best is None or secs < best:
-                    best = secs
-            self._index(k.name, space.workload(k.func), trials=measured + n + len(chunk))
-            self.log(f"{label}: {n + len(chunk)}/{len(todo)} trials, best so far {_us(best)}")
-        self.log(f"{label}: done in {time.perf_counter() - t0:.0f} s, best {_us(best)}"
-                 + (f"; {failed} trials failed (see {self.error_dir})" if failed else ""))
-        return {"kernel": k.name, "measured": len(todo), "failed": failed,
-                "best_us": _us_value(best)}
+            inputs = [ms.builder.BuilderInput(wls[i], self.tvm_target) for i in chunk]
+            for i, result in zip(chunk, builder.build(inputs)):
+                if result.error_msg:
+                    failed.add(i)
+                    self._error_log(name).warning("variant %d: %s", i, result.error_msg)
+                    self._commit(wls[i], [1e10])
+                else:
+                    built[i] = result.artifact_path
+            self.log(f"{label}: built {n + len(chunk)}/{len(todo)} variants")
+        return built, failed
 
-    def _measure(self, wls):
-        """Build and run ``wls``; commit a record per trial (failed ones as run_secs [1e10],
-        as MetaSchedule does, so that they are not tried again)."""
+    def _commit(self, wl, run_secs):
+        """Append one trial's record to the database (MetaSchedule flushes each line)."""
         from tvm.s_tir import meta_schedule as ms
 
-        builder, runner = self.workers()
-        built = builder.build([ms.builder.BuilderInput(wl, self.tvm_target) for wl in wls])
-        runs = {}
-        ok = [i for i, b in enumerate(built) if b.error_msg is None]
-        if ok:
-            inputs = [ms.runner.RunnerInput(built[i].artifact_path, "cpu",
-                                            ms.arg_info.ArgInfo.from_entry_func(wls[i]))
-                      for i in ok]
-            runs = dict(zip(ok, (f.result() for f in runner.run(inputs))))
-        for i, (wl, b) in enumerate(zip(wls, built)):
-            run = runs.get(i)
-            error = b.error_msg or (run.error_msg if run is not None else None)
-            secs = [float(s) for s in run.run_secs] if run is not None and not error else [1e10]
-            record = ms.database.TuningRecord(
-                _trace(wl), self.db.commit_workload(wl), secs, self.tvm_target,
-                ms.arg_info.ArgInfo.from_entry_func(wl))
-            self.db.commit_tuning_record(record)
-            if b.artifact_path:
-                shutil.rmtree(os.path.dirname(b.artifact_path), ignore_errors=True)
-            yield i, statistics.median(secs), error
+        self.db.commit_tuning_record(ms.database.TuningRecord(
+            _trace(wl), self.db.commit_workload(wl), [float(t) for t in run_secs],
+            self.tvm_target, ms.arg_info.ArgInfo.from_entry_func(wl)))
 
     def _index(self, name, wl, trials, skipped=None):
         """Record which kernel function ``name`` was tuned as, with which TVM (before the
@@ -473,10 +499,11 @@ def _well_formed(wl) -> bool:
     return True
 
 
-def _best(records):
-    """The fastest valid time of ``records``, or None."""
-    times = [t for t in map(record_time, records) if t < FAILED]
-    return min(times) if times else None
+def _best_of(times, failed, best):
+    """The fastest median over rounds of the variants measured so far, or ``best`` (the
+    fastest recorded before) if that is faster."""
+    medians = [statistics.median(t) for i, t in times.items() if t and i not in failed]
+    return min([*medians, *([best] if best is not None else [])], default=None)
 
 
 def _us(secs) -> str:
