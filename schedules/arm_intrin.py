@@ -14,22 +14,9 @@ import functools
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
+from .dot_intrin import dot_desc
+
 SDOT = "blockpad_dot_4x4_i8i8s32_sdot"
-
-
-@T.prim_func(s_tir=True)
-def _sdot_desc(a: T.handle, b: T.handle, c: T.handle) -> None:
-    A = T.match_buffer(a, (4,), "int8", offset_factor=1, align=1)
-    B = T.match_buffer(b, (4, 4), "int8", offset_factor=1, align=1)
-    C = T.match_buffer(c, (4,), "int32", offset_factor=1, align=1)
-    with T.sblock("root"):
-        T.reads(C[0:4], A[0:4], B[0:4, 0:4])
-        T.writes(C[0:4])
-        for i in T.serial(0, 4):
-            for k in T.serial(0, 4):
-                with T.sblock("update"):
-                    vi, vk = T.axis.remap("SR", [i, k])
-                    C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
 
 
 @T.prim_func(s_tir=True)
@@ -50,5 +37,5 @@ def _sdot_impl(a: T.handle, b: T.handle, c: T.handle) -> None:
 
 @functools.lru_cache(maxsize=1)
 def register() -> str:
-    TensorIntrin.register(SDOT, _sdot_desc, _sdot_impl)
+    TensorIntrin.register(SDOT, dot_desc(4, "int8"), _sdot_impl)
     return SDOT

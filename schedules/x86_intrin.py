@@ -26,24 +26,9 @@ import functools
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
+from .dot_intrin import dot_desc
+
 # ---- VNNI ----------------------------------------------------------------------------------
-
-
-def _vnni_desc(src):
-    @T.prim_func(s_tir=True)
-    def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
-        A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
-        B = T.match_buffer(b, (16, 4), "int8", offset_factor=1, align=1)
-        C = T.match_buffer(c, (16,), "int32", offset_factor=1, align=1)
-        with T.sblock("root"):
-            T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-            T.writes(C[0:16])
-            for i in T.serial(0, 16):
-                for k in T.serial(0, 4):
-                    with T.sblock("update"):
-                        vi, vk = T.axis.remap("SR", [i, k])
-                        C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
-    return desc
 
 
 def _vnni_impl(src):
@@ -198,6 +183,7 @@ AMX_S8 = "blockpad_amx_s8s8s32_16x16x64"
 AMX_BF16 = "blockpad_amx_bf16f32_16x16x32"  # bf16 as uint16 storage
 AMX_ZERO_I32 = "blockpad_amx_cfg_zero_i32"
 AMX_ZERO_F32 = "blockpad_amx_cfg_zero_f32"
+_vnni_desc = functools.partial(dot_desc, 16)   # vpdpbusd: 16 int32 lanes
 _MAKERS = {VNNI: (_vnni_desc, _vnni_impl, "uint8"), VNNI_S8: (_vnni_desc, _vnni_impl, "int8"),
            AMX_INT8: (_amx_desc, _amx_impl, "uint8"), AMX_S8: (_amx_desc, _amx_impl, "int8"),
            AMX_BF16: (_amx_desc, _amx_impl, "uint16"),
