@@ -181,9 +181,9 @@ class Graph:
     every channel count fits 8 better). ``weights``: ``"check"`` or ``"frozen"`` (see the
     module docstring). ``fuse``: which of a convolution's only readers run inside its kernel
     as oneDNN post-ops: ``"eltwise"``, ``"sum"`` (an add), both, or none (False/()). ``sum`` is
-    off by default: its kernel measured 2.5x slower here than the convolution plus a separate
-    add (conv2d with a sum post-op takes a slower schedule, 8.1 ms vs 3.1 + 0.1 ms on
-    1x62x56x56)."""
+    off by default: on the ResNet block (1x62x56x56, avx512, 1 thread) it measured no faster
+    end to end (3.80 vs 3.81 ms), though its kernels take 0.15-0.2 ms less than a convolution
+    plus a separate add and relu."""
 
     def __init__(self, policy=None, cache: KernelCache | None = None, libraries=(),
                  inplace=True, layouts="blocked", block=None, weights="check",
