@@ -17,7 +17,7 @@ from pathlib import Path
 from blockpad.errors import BlockpadError, BuildError
 from blockpad.runtime import manifest as mf
 
-from . import tune
+from . import tuning_records
 from .kernel import alias_inplace, make_inplace
 from .ops import OPS
 from .spec import Spec, load_spec
@@ -37,7 +37,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     target = target if isinstance(target, Target) else get_target(target)
-    tuning_logs = tune.default_dir() if tuning_logs is None else Path(tuning_logs)
+    tuning_logs = tuning_records.default_dir() if tuning_logs is None else Path(tuning_logs)
     key = build_key(spec, target, tuning_logs)
     out_dir = os.fspath(out_dir)
     if not force and _up_to_date(out_dir, key):
@@ -62,7 +62,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
     kernels += _runtime_zero_pads(kernels)
     funcs, tuning = {}, {}
     t0 = time.perf_counter()
-    logs = tune.Logs(tuning_logs, target)
+    logs = tuning_records.Logs(tuning_logs, target)
     for warning in logs.warnings:
         log(f"warning: {warning}")
     tvm_target = target.tvm_target()
@@ -195,7 +195,7 @@ def _runtime_zero_pads(kernels):
 def build_key(spec: Spec, target: Target, tuning_logs=None) -> str:
     h = hashlib.sha256()
     h.update(spec.digest().encode())
-    h.update(tune.logs_digest(tuning_logs or tune.default_dir(), target).encode())
+    h.update(tuning_records.logs_digest(tuning_logs or tuning_records.default_dir(), target).encode())
     h.update(json.dumps([target.name, target.tvm, list(target.features)], sort_keys=True).encode())
     h.update(mf.tvm_version().encode())
     h.update(code_digest().encode())

@@ -42,8 +42,8 @@ def sm(target) -> str:
 def compile_device(source: str, arch: str) -> tuple[bytes, str]:
     """``(fatbin, ptx)`` of a CUDA module's source for ``arch`` (``sm_80``), by nvcc."""
     if shutil.which("nvcc") is None:
-        raise BuildError(f"CUDA targets compile with nvcc at build time, and nvcc is not on "
-                         f"PATH; install the CUDA toolkit (or put its bin/ on PATH)")
+        raise BuildError("CUDA targets compile with nvcc at build time, and nvcc is not on "
+                         "PATH; install the CUDA toolkit (or put its bin/ on PATH)")
     import tvm
     from tvm.support import nvcc
 

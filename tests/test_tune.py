@@ -5,7 +5,6 @@ corrupt and stale logs; measuring through an RPC tracker and server on loopback.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -21,6 +20,7 @@ from tvm.s_tir import meta_schedule as ms
 import blockpad as bp
 from blockpad.cli import main
 from blockpad.codegen import tune as tn
+from blockpad.codegen import tuning_records as tr
 from blockpad.codegen.build import build, make_kernels
 from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
@@ -77,17 +77,17 @@ def test_tune_measures_the_rule_variants_into_a_metaschedule_database(tuned):
     for name in ("conv", "mm"):
         assert by_name[name]["measured"] == TRIALS and by_name[name]["failed"] == 0
         assert 0 < by_name[name]["best_us"] < 1e5
-    assert by_name["reorder"]["skipped"] == tn.ONE_VARIANT
-    assert any(line.startswith("[1/") and f"round {tn.ROUNDS}/{tn.ROUNDS} of {TRIALS} "
+    assert by_name["reorder"]["skipped"] == tr.ONE_VARIANT
+    assert any(line.startswith("[1/") and f"round {tr.ROUNDS}/{tr.ROUNDS} of {TRIALS} "
                "variants, best so far" in line for line in lines), lines
     assert any(line.startswith("[1/") and f"built {TRIALS}/{TRIALS} variants" in line
                for line in lines), lines
     # TVM's own database class opens the files; every record is this target's and replays
     db = ms.database.JSONDatabase(work_dir=str(out / "host"), allow_missing=False)
     records = db.get_all_tuning_records()
-    assert len(records) == 2 * TRIALS * tn.ROUNDS     # every variant once per round
+    assert len(records) == 2 * TRIALS * tr.ROUNDS     # every variant once per round
     host = HOST.tvm_target(num_cores=1)
-    assert {tn.target_key(r.target) for r in records} == {tn.target_key(host)}
+    assert {tr.target_key(r.target) for r in records} == {tr.target_key(host)}
     best = space.workload(space.variants(kernel_func("conv"), HOST)[0])
     sch = db.query_schedule(best, records[0].target, workload_name="main")
     assert sch is not None     # MetaSchedule applies it: the variant, its root block annotated
@@ -96,7 +96,7 @@ def test_tune_measures_the_rule_variants_into_a_metaschedule_database(tuned):
 
 def test_rerun_skips_what_is_recorded_continues_to_more_trials_and_rebuilds(tuned, tmp_path):
     logs = copy_logs(tuned, tmp_path)
-    records = logs / "host" / tn.DB_FILES[1]
+    records = logs / "host" / tr.DB_FILES[1]
     before = records.read_text().count("\n")
     lines = []
     again = tn.tune(SPEC, "host", TRIALS, logs, log=lines.append)
@@ -108,8 +108,8 @@ def test_rerun_skips_what_is_recorded_continues_to_more_trials_and_rebuilds(tune
     assert not build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt
     more = tn.tune(SPEC, "host", TRIALS + 1, logs, log=lines.append)
     assert [r["measured"] for r in more[:2]] == [1, 1]
-    assert records.read_text().count("\n") == before + 2 * tn.ROUNDS
-    index = json.loads((logs / "host" / tn.INDEX).read_text())["kernels"]
+    assert records.read_text().count("\n") == before + 2 * tr.ROUNDS
+    index = json.loads((logs / "host" / tr.INDEX).read_text())["kernels"]
     assert index["conv"]["trials"] == TRIALS + 1
     assert build(SPEC, "host", out, tuning_logs=logs, log=lambda m: None).rebuilt  # new records
 
@@ -117,7 +117,7 @@ def test_rerun_skips_what_is_recorded_continues_to_more_trials_and_rebuilds(tune
 def test_interrupted_write_is_cut_off_and_the_run_continues(tuned, tmp_path, capsys):
     """Through the command line: a run killed mid-append left half a line."""
     logs = copy_logs(tuned, tmp_path)
-    records = logs / "host" / tn.DB_FILES[1]
+    records = logs / "host" / tr.DB_FILES[1]
     intact = records.read_text()
     records.write_text(intact + '[0,[[[],[]],[1.5e-0')
     assert main(["tune", str(_spec_file(tmp_path)), "--trials", str(TRIALS), "--out",
@@ -137,7 +137,7 @@ def test_ctrl_c_keeps_every_finished_trial_and_a_rerun_measures_the_rest(tmp_pat
     err = []
     for line in proc.stderr:
         err.append(line)
-        if f"round 1/{tn.ROUNDS}" in line:
+        if f"round 1/{tr.ROUNDS}" in line:
             proc.send_signal(signal.SIGINT)
             break
     _, rest = proc.communicate(timeout=120)
@@ -145,10 +145,10 @@ def test_ctrl_c_keeps_every_finished_trial_and_a_rerun_measures_the_rest(tmp_pat
     assert "interrupted; every finished trial is recorded" in rest
     db = ms.database.JSONDatabase(work_dir=str(logs / "host"), allow_missing=False)
     kept = len(db)
-    assert 3 <= kept < 3 * tn.ROUNDS
+    assert 3 <= kept < 3 * tr.ROUNDS
     again = tn.tune(parse_spec({"kernel": [CONV]}), "host", 4, logs, log=lambda m: None)
     assert again[0]["measured"] == 1
-    assert len(ms.database.JSONDatabase(work_dir=str(logs / "host"))) == kept + tn.ROUNDS
+    assert len(ms.database.JSONDatabase(work_dir=str(logs / "host"))) == kept + tr.ROUNDS
 
 
 def _spec_file(tmp_path, entries=(CONV, MATMUL, REORDER)):
@@ -172,7 +172,7 @@ def _toml(v):
 
 def test_corrupt_logs_stop_tuning_with_a_clear_error(tuned, tmp_path):
     logs = copy_logs(tuned, tmp_path)
-    path = logs / "host" / tn.DB_FILES[1]
+    path = logs / "host" / tr.DB_FILES[1]
     line = path.read_text().count("\n") + 1
     with open(path, "a") as f:
         f.write("this is not json\n")
@@ -201,11 +201,11 @@ def test_rpc_address_is_checked(tracker, key):
 def test_build_applies_the_fastest_record_and_says_which_kernels_are_tuned(tuned, tuned_build):
     result, lines = tuned_build
     kernels = {k["name"]: k for k in result.manifest["kernels"]}
-    logs = tn.Logs(tuned[0], HOST)
+    logs = tr.Logs(tuned[0], HOST)
     for name in ("conv", "mm"):
         assert kernels[name]["tuned"] is True
         variants = space.variants(kernel_func(name), HOST)
-        times = [tn.variant_time(logs.records(space.workload(f))) for f in variants]
+        times = [tr.variant_time(logs.records(space.workload(f))) for f in variants]
         measured = {i: m for i, m in enumerate(times) if m is not None}
         assert len(measured) == TRIALS
         fastest = min(measured, key=measured.get)
@@ -218,7 +218,7 @@ def test_build_applies_the_fastest_record_and_says_which_kernels_are_tuned(tuned
     assert "reorder" in untuned and len(untuned) > 1
     for name in untuned:
         assert kernels[name]["tuned"] is False
-        assert kernels[name]["tuning"]["reason"] == f"not tuned: {tn.ONE_VARIANT}"
+        assert kernels[name]["tuning"]["reason"] == f"not tuned: {tr.ONE_VARIANT}"
     assert any("2 of" in line and "kernels tuned: conv" in line for line in lines), lines
     assert any("reorder: default schedule (not tuned" in line for line in lines)
 
@@ -237,11 +237,11 @@ def test_tuned_kernels_match_numpy(tuned_build, rng):
 def test_corrupt_log_lines_warn_and_cost_only_themselves(tuned, tmp_path):
     logs = copy_logs(tuned, tmp_path)
     folder = logs / "host"
-    workloads = folder / tn.DB_FILES[0]
+    workloads = folder / tr.DB_FILES[0]
     lines = workloads.read_text().splitlines()
     lines[0] = lines[0][: len(lines[0]) // 2]        # a workload line cut in half
     workloads.write_text("\n".join(lines) + "\n")
-    records = folder / tn.DB_FILES[1]
+    records = folder / tr.DB_FILES[1]
     n = records.read_text().count("\n")
     with open(records, "a") as f:
         f.write("[99, []]\n{not json\n")
@@ -257,7 +257,7 @@ def test_corrupt_log_lines_warn_and_cost_only_themselves(tuned, tmp_path):
 
 def test_unreadable_index_warns_and_falls_back(tuned, tmp_path):
     logs = copy_logs(tuned, tmp_path)
-    (logs / "host" / tn.INDEX).write_text("{")
+    (logs / "host" / tr.INDEX).write_text("{")
     messages = []
     result = build(SPEC, "host", tmp_path / "lib", tuning_logs=logs, log=messages.append)
     assert any("blockpad.json: unreadable" in m for m in messages)
@@ -270,18 +270,18 @@ def test_unreadable_index_warns_and_falls_back(tuned, tmp_path):
 ])
 def test_stale_records_fall_back_with_the_reason(tuned, tmp_path, field, value, reason):
     logs = copy_logs(tuned, tmp_path)
-    path = logs / "host" / tn.INDEX
+    path = logs / "host" / tr.INDEX
     index = json.loads(path.read_text())
     index["kernels"]["conv"][field] = value
     path.write_text(json.dumps(index))
-    choice = tn.Logs(logs, HOST).choose("conv", kernel_func("conv"), HOST.tvm_target())
+    choice = tr.Logs(logs, HOST).choose("conv", kernel_func("conv"), HOST.tvm_target())
     assert choice.func is None and choice.status["reason"].startswith(reason)
 
 
 def test_records_of_variants_the_rules_no_longer_make_are_not_applied(tuned, monkeypatch):
     unmeasured = space.variants(kernel_func("conv"), HOST)[TRIALS:]
     monkeypatch.setattr(space, "variants", lambda func, target: unmeasured)
-    choice = tn.Logs(tuned[0], HOST).choose("conv", kernel_func("conv"), HOST.tvm_target())
+    choice = tr.Logs(tuned[0], HOST).choose("conv", kernel_func("conv"), HOST.tvm_target())
     assert choice.func is None
     assert choice.status["reason"] == (f"none of the {len(unmeasured)} variants the schedule "
                                        f"rules produce now was measured (the rules changed "
@@ -290,13 +290,13 @@ def test_records_of_variants_the_rules_no_longer_make_are_not_applied(tuned, mon
 
 def test_records_of_another_target_are_never_applied(tuned):
     other = tvm.target.Target({**HOST.tvm, "mcpu": "haswell"})
-    choice = tn.Logs(tuned[0], HOST).choose("conv", kernel_func("conv"), other)
+    choice = tr.Logs(tuned[0], HOST).choose("conv", kernel_func("conv"), other)
     assert choice.func is None
     assert choice.status["reason"] == "records only for another target (x86-64-v3)"
 
 
 def test_no_logs_means_the_default_schedule(tmp_path):
-    choice = tn.Logs(tmp_path, HOST).choose("conv", kernel_func("conv"), HOST.tvm_target())
+    choice = tr.Logs(tmp_path, HOST).choose("conv", kernel_func("conv"), HOST.tvm_target())
     assert choice.func is None and choice.status["reason"].startswith("no record (no tuning logs")
 
 
@@ -342,7 +342,7 @@ def test_tune_measures_through_an_rpc_tracker(rpc_device, tmp_path):
     results = tn.tune(spec, "host", 2, tmp_path, rpc=rpc_device, log=lambda m: None)
     assert results[0]["measured"] == 2 and results[0]["failed"] == 0
     records = ms.database.JSONDatabase(work_dir=str(tmp_path / "host")).get_all_tuning_records()
-    assert len(records) == 2 * tn.ROUNDS and all(tn.record_time(r) < 1 for r in records)
+    assert len(records) == 2 * tr.ROUNDS and all(tr.record_time(r) < 1 for r in records)
 
 
 def test_cross_target_candidates_are_linked_for_the_device():
