@@ -37,7 +37,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     target = target if isinstance(target, Target) else get_target(target)
-    tuning_logs = tuning_records.default_dir() if tuning_logs is None else Path(tuning_logs)
+    tuning_logs = Path(tuning_logs) if tuning_logs is not None else tuning_records.default_dir()
     key = build_key(spec, target, tuning_logs)
     out_dir = os.fspath(out_dir)
     if not force and _up_to_date(out_dir, key):
@@ -195,7 +195,8 @@ def _runtime_zero_pads(kernels):
 def build_key(spec: Spec, target: Target, tuning_logs=None) -> str:
     h = hashlib.sha256()
     h.update(spec.digest().encode())
-    h.update(tuning_records.logs_digest(tuning_logs or tuning_records.default_dir(), target).encode())
+    logs = tuning_logs or tuning_records.default_dir()
+    h.update(tuning_records.logs_digest(logs, target).encode())
     h.update(json.dumps([target.name, target.tvm, list(target.features)], sort_keys=True).encode())
     h.update(mf.tvm_version().encode())
     h.update(code_digest().encode())
