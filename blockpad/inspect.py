@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 
+from .assembly import functions, reachable
 from .errors import LoadError
 from .runtime import manifest as mf
 
@@ -37,24 +38,19 @@ def _functions_of(text, kernel, kind) -> str:
     """The parts of a module's source that belong to ``kernel``: its entry, the functions TVM
     derived from it (``<kernel>_compute_``), and the parallel bodies those launch
     (``__tvm_parallel_lambda.N``, where a parallel kernel's hot loop is)."""
-    if kind in ("asm", "ll"):
-        if kind == "asm":
-            blocks = re.split(r"(?m)^(?=\t\.type\t)", text)
-            named = re.compile(r"\t\.type\t([^,\s]+)")
-        else:
-            blocks = [b.split("\n}\n")[0] + "\n}\n" for b in re.split(r"(?m)^(?=define )", text)]
-            named = re.compile(r"define [^@]*@([\w.]+)\(")
-        by_name = {m.group(1): b for b in blocks if (m := named.match(b))}
-        own = re.compile(rf"(__tvm_ffi_)?{re.escape(kernel)}(_compute_)?")
-        chosen = [n for n in by_name if own.fullmatch(n)]
-        lambdas = re.compile(r"(?:\.L)?__tvm_parallel_lambda(?:\.\d+)?\b")
-        for name in chosen:   # grows while it is walked: bodies launched from bodies
-            for ref in lambdas.findall(by_name[name]):
-                target = next((n for n in (ref, ".L" + ref, ref.removeprefix(".L"))
-                               if n in by_name), None)
-                if target is not None and target not in chosen:
-                    chosen.append(target)
-        return "".join(by_name[n] for n in chosen)
+    if kind == "asm":
+        # printed as written, but walked over instructions only: the text after a function
+        # (directives, data) names other kernels' functions
+        blocks = re.split(r"(?m)^(?=\t\.type\t)", text)
+        by_name = {m.group(1): b for b in blocks
+                   if (m := re.match(r"\t\.type\t([^,\s]+),@function", b))}
+        code = reachable(functions(text), f"__tvm_ffi_{kernel}")
+        return "".join(by_name[n] for n in code)
+    if kind == "ll":
+        blocks = [b.split("\n}\n")[0] + "\n}\n" for b in re.split(r"(?m)^(?=define )", text)]
+        by_name = {m.group(1): b for b in blocks if (m := re.match(r"define [^@]*@([\w.]+)\(", b))}
+        code = reachable({n: [b] for n, b in by_name.items()}, f"__tvm_ffi_{kernel}")
+        return "".join(by_name[n] for n in code)
     # CUDA C / PTX: TVM names a kernel's device functions <kernel>_kernel[_N]; CUDA C declares
     # them all first (lines ending in ';'), then defines them
     start = r'extern "C" __global__|\.visible \.entry'

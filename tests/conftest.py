@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import blockpad as bp
+from blockpad import assembly
 from blockpad.codegen.spec import parse_spec
 
 # Reorders and zero pads covering the layout families, blocks that do not divide the dims,
@@ -76,3 +77,14 @@ def garbage(n, dtype):
 @pytest.fixture
 def rng():
     return np.random.default_rng(int(os.environ.get("BLOCKPAD_TEST_SEED", "0")))
+
+
+def asm_functions(lib_dir) -> dict:
+    """The instructions of each function of a built library, from the assembly the build keeps
+    (``source/kernels.s``, what ``blockpad inspect --asm`` shows)."""
+    return assembly.functions((lib_dir / "source" / "kernels.s").read_text())
+
+
+def kernel_instructions(funcs, name) -> list:
+    """A kernel's instructions: its entry point and the functions it reaches."""
+    return [line for lines in assembly.kernel_code(funcs, name).values() for line in lines]

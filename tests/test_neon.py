@@ -21,7 +21,7 @@ from blockpad.runtime import machine
 from blockpad.runtime.library import Signature
 from blockpad.testing import qemu
 
-from .conftest import garbage, random_array
+from .conftest import asm_functions, garbage, kernel_instructions, random_array
 
 MISSING = qemu.missing_tools()
 pytestmark = pytest.mark.skipif(
@@ -132,38 +132,9 @@ def signatures(lib_dir) -> dict:
     return {k["name"]: Signature(k) for k in manifest["kernels"]}
 
 
-def functions(lib_dir) -> dict:
-    """The instructions of each function of a built library, from the assembly the build keeps
-    (``source/kernels.s``, what ``blockpad inspect --asm`` shows)."""
-    funcs, current = {}, None
-    for line in (lib_dir / "source" / "kernels.s").read_text().splitlines():
-        m = re.match(r"\s*\.type\s+([^,]+),@function", line)
-        if m:
-            current = funcs.setdefault(m.group(1), [])
-        elif current is not None and line.startswith("\t") and not line.startswith("\t."):
-            current.append(line.strip())
-    return funcs
-
-
-def kernel_code(funcs, name) -> list:
-    """A kernel's instructions: its entry point and the functions it reaches (the parallel
-    bodies TVM outlines, ``.L__tvm_parallel_lambda*`` or ``<name>_compute_``), not the error
-    helpers every kernel shares."""
-    seen, todo, code = set(), [f"__tvm_ffi_{name}"], []
-    while todo:
-        f = todo.pop()
-        if f in seen or f not in funcs or f.startswith("__tvm_set_raised"):
-            continue
-        seen.add(f)
-        code += funcs[f]
-        text = "\n".join(funcs[f])
-        todo += [g for g in funcs if g not in seen and re.search(rf"[\s,:]{re.escape(g)}\b", text)]
-    return code
-
-
 @pytest.fixture(scope="session")
 def neon_asm(neon_dir) -> dict:
-    return functions(neon_dir)
+    return asm_functions(neon_dir)
 
 
 # ---- the library --------------------------------------------------------------------------------
@@ -201,11 +172,11 @@ def test_elementwise_kernels_compute_in_4_lane_fp32_vectors(neon_asm, neon_lib):
     for name, sig in neon_lib.items():
         if sig.op not in ("eltwise", "binary"):
             continue
-        code = kernel_code(neon_asm, name)
+        code = kernel_instructions(neon_asm, name)
         assert code, f"{name}: no code found in the library"
         arith = [i for i in code if re.match(r"f[a-z]+\s+v\d+\.4s", i)]
         assert arith, f"{name}: no 4-lane fp32 arithmetic (fadd/fmul/fmla/fmaxnm ... v.4s)"
-    sig_code = kernel_code(neon_asm, "gelu_erf_dst_fused_nChw4c")
+    sig_code = kernel_instructions(neon_asm, "gelu_erf_dst_fused_nChw4c")
     assert any(i.startswith("fmla") and ".4s" in i for i in sig_code), "gelu: no fmla v.4s"
 
 
@@ -213,7 +184,7 @@ def test_reorders_store_whole_vectors(neon_asm, neon_lib):
     for name, sig in neon_lib.items():
         if sig.op != "reorder":
             continue
-        code = kernel_code(neon_asm, name)
+        code = kernel_instructions(neon_asm, name)
         # fp32: q registers (4 lanes; d for the 2-lane rest of a 3-channel block). Narrower
         # types have scalar stores from w registers (strb/strh), so any store from a SIMD
         # register is a vector of them: 4 x int8 of a c4 block is one s register, 7 x bf16
@@ -350,7 +321,7 @@ def _int8_calls(lib, rng):
 
 
 def test_int8_matmul_without_dotprod_uses_no_sdot(neon_dir, neon_lib, neon_asm, rng):
-    assert not any(i.startswith("sdot") for i in kernel_code(neon_asm, "mm_s8"))
+    assert not any(i.startswith("sdot") for i in kernel_instructions(neon_asm, "mm_s8"))
     calls, checks = _int8_calls(neon_lib, rng)
     qemu.run_many(neon_dir, calls)
     for name, want, dst in checks:
@@ -358,12 +329,12 @@ def test_int8_matmul_without_dotprod_uses_no_sdot(neon_dir, neon_lib, neon_asm, 
 
 
 def test_int8_matmul_and_conv_run_on_sdot(dotprod_dir, rng):
-    lib, asm = signatures(dotprod_dir), functions(dotprod_dir)
+    lib, asm = signatures(dotprod_dir), asm_functions(dotprod_dir)
     assert bp.runtime.manifest.read(dotprod_dir)["target"]["features"] == ["asimd", "asimddp"]
     calls, checks = _int8_calls(lib, rng)
     assert len(calls) == 3
     for name, _ in calls:
-        sdot = [i for i in kernel_code(asm, name) if i.startswith("sdot")]
+        sdot = [i for i in kernel_instructions(asm, name) if i.startswith("sdot")]
         assert sdot and all(".4s" in i and ".16b" in i for i in sdot), f"{name}: no sdot"
     qemu.run_many(dotprod_dir, calls)
     for name, want, dst in checks:

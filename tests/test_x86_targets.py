@@ -22,7 +22,10 @@ from blockpad.runtime import machine
 from blockpad.runtime.library import Signature
 
 import blockpad as bp
+from blockpad import assembly
 from blockpad.bench import isa
+
+from .conftest import asm_functions, kernel_instructions
 
 HAVE_VNNI = "avx512_vnni" in machine.cpu_features()
 HAVE_AMX = {"amx_tile", "amx_int8", "amx_bf16"} <= machine.cpu_features()
@@ -95,14 +98,6 @@ def amx_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("amx") / "lib"
     bp.build(parse_spec(AMX_SPEC), "amx", out, log=lambda m: None)
     return out
-
-
-def _asm(lib_dir) -> dict:
-    return isa.functions((lib_dir / "source" / "kernels.s").read_text())
-
-
-def _code(funcs, name) -> list:
-    return [l for lines in isa.kernel_code(funcs, name).values() for l in lines]
 
 
 def _has(code, mnemonic) -> bool:
@@ -208,9 +203,9 @@ def test_targets_list_vnni_and_amx_with_their_features(capsys):
 # ---- avx512-vnni ------------------------------------------------------------------------------
 
 def test_vnni_int8_kernels_are_tensorized_to_vpdpbusd(vnni_dir):
-    funcs = _asm(vnni_dir)
+    funcs = asm_functions(vnni_dir)
     for name in VNNI_INT8:
-        code = _code(funcs, name)
+        code = kernel_instructions(funcs, name)
         dots = [l for l in code if l.split() and l.split()[0] == "vpdpbusd"]
         assert dots and all("zmm" in l for l in dots), f"{name}: no zmm vpdpbusd"
         # no widening multiply-add chain: the dot product is the instruction itself
@@ -222,7 +217,7 @@ def test_vnni_int8_kernels_are_tensorized_to_vpdpbusd(vnni_dir):
 
 
 def test_vnni_fp32_conv_is_16_lane_zmm_fma(vnni_dir):
-    code = _code(_asm(vnni_dir), "conv_f32")
+    code = kernel_instructions(asm_functions(vnni_dir), "conv_f32")
     fmas = [l for l in code if l.split() and l.split()[0].startswith("vfmadd")]
     assert fmas and all("zmm" in l for l in fmas)
 
@@ -288,21 +283,21 @@ def test_vnni_schedule_is_exact_on_any_cpu_with_the_reference_twin(spec, rng):
 # ---- amx --------------------------------------------------------------------------------------
 
 def test_amx_kernels_use_tiles(amx_dir):
-    funcs = _asm(amx_dir)
+    funcs = asm_functions(amx_dir)
     for name, tile_op in AMX_TILES.items():
-        code = _code(funcs, name)
+        code = kernel_instructions(funcs, name)
         for needed in (tile_op, "tileloadd", "tilestored", "ldtilecfg", "tilezero"):
             assert _has(code, needed), f"{name}: no {needed}"
     # matmul: the accumulator tile is loaded and stored once per output tile (and zeroed by
     # tilezero + a store), whatever K: A and B are the only loads per multiply
     for name in ("mm_u8", "mm_s8", "mm_bf16"):
-        code = [l.split()[0] for l in _code(funcs, name) if l.split()]
+        code = [l.split()[0] for l in kernel_instructions(funcs, name) if l.split()]
         dots = sum(op.startswith("tdp") for op in code)
         tiles = code.count("tilezero")
         assert code.count("tileloadd") == 2 * dots + tiles, name
         assert code.count("tilestored") == 2 * tiles, name
     # a convolution AMX cannot tile (16 channels a row) falls back to vpdpbusd
-    code = _code(funcs, "conv_s8_blocked")
+    code = kernel_instructions(funcs, "conv_s8_blocked")
     assert _has(code, "vpdpbusd") and not _has(code, "tdpbssd")
 
 
@@ -414,17 +409,17 @@ def test_isa_counts_the_hot_loop_of_x86_and_arm_assembly():
         "str q0, [sp, #32]", "subs x2, x2, #1", "b.ne .LBB0_2"])
     assert isa.mix(arm[0], "aarch64") == {"instrs": 6, "dot": 1, "loads": 2, "stores": 1,
                                           "spills": 1, "tile_loads": 0}
-    ptx = isa.functions(".visible .entry mm_kernel(\n.param .u64 p\n)\n{\n$L__BB0_1:\n"
-                        "\tld.shared.v4.f32 {%f1, %f2, %f3, %f4}, [%r1];\n"
-                        "\tfma.rn.ftz.f32 %f5, %f1, %f2, %f5;\n\tst.local.f32 [%rd1], %f5;\n"
-                        "\t@%p1 bra $L__BB0_1;\n\tret;\n}\n")
-    loop = isa.innermost_loops(isa.kernel_code(ptx, "mm")["mm_kernel"])
+    ptx = assembly.functions(".visible .entry mm_kernel(\n.param .u64 p\n)\n{\n$L__BB0_1:\n"
+                             "\tld.shared.v4.f32 {%f1, %f2, %f3, %f4}, [%r1];\n"
+                             "\tfma.rn.ftz.f32 %f5, %f1, %f2, %f5;\n\tst.local.f32 [%rd1], %f5;\n"
+                             "\t@%p1 bra $L__BB0_1;\n\tret;\n}\n")
+    loop = isa.innermost_loops(assembly.kernel_code(ptx, "mm")["mm_kernel"])
     assert isa.mix(loop[0], "ptx") == {"instrs": 4, "dot": 1, "loads": 1, "stores": 1,
                                        "spills": 1, "tile_loads": 0}
 
 
 def test_isa_reports_the_built_libraries(vnni_dir, amx_dir):
-    vnni, amx = _asm(vnni_dir), _asm(amx_dir)
+    vnni, amx = asm_functions(vnni_dir), asm_functions(amx_dir)
     # register tiles: accumulators stay in zmm registers (no store, no spill); per reduction
     # step one broadcast load per row, one weight load per column vector (and, s8, one
     # compensation vpdpbusd per column vector). One column vector where the destination has

@@ -28,6 +28,8 @@ import re
 import shutil
 import tempfile
 
+from blockpad.assembly import functions, kernel_code
+
 from .common import table
 
 # targets measured here, and the kernels each gets (spec fields; name: what it shows)
@@ -65,40 +67,6 @@ _X86_MEM = re.compile(r"\((%\w+)?(,|\))")
 _ARM_LOAD = re.compile(r"^(ld[1-4]r?|ldr\w*|ldp\w*|ldur\w*)$")
 _ARM_STORE = re.compile(r"^(st[1-4]|str\w*|stp\w*|stur\w*)$")
 _BRANCH = re.compile(r"^(j\w+|b|b\.\w+|cbn?z|tbn?z|bra(\.uni)?)$")
-
-
-def functions(asm: str) -> dict:
-    """``{function: [line, ...]}``: each function's labels (``.LBB0_3:``) and instructions,
-    directives and comments dropped. Takes CPU assembly and PTX (``.entry`` kernels)."""
-    funcs, current = {}, None
-    for line in asm.splitlines():
-        m = re.match(r"\s*\.type\s+([^,]+),@function", line) or \
-            re.match(r"\s*(?:\.visible\s+)?\.entry\s+(\w+)", line)
-        if m:
-            current = funcs.setdefault(m.group(1), [])
-        elif current is not None:
-            s = re.sub(r"(//|\s#\s|^#\s).*$", "", line.strip()).strip().rstrip(";").strip()
-            if re.match(r"^[.\w$]+:", s) or (line[:1].isspace() and s and s[0] not in ".{}(),"):
-                current.append(s)
-    return funcs
-
-
-def kernel_code(funcs: dict, kernel: str) -> dict:
-    """The functions of ``kernel``: its entry point and every function it reaches (parallel
-    bodies), not the error helpers kernels share; for PTX, its ``<kernel>_kernel*`` entries."""
-    if any(f.startswith(f"{kernel}_kernel") for f in funcs):
-        return {f: lines for f, lines in funcs.items()
-                if re.fullmatch(rf"{re.escape(kernel)}_kernel(_\d+)?", f)}
-    seen, todo = {}, [f"__tvm_ffi_{kernel}"]
-    while todo:
-        f = todo.pop()
-        if f in seen or f not in funcs or f.startswith("__tvm_set_raised"):
-            continue
-        seen[f] = funcs[f]
-        text = "\n".join(funcs[f])
-        todo += [g for g in funcs if g not in seen
-                 and re.search(rf"[\s,:]{re.escape(g)}(?![\w.])", text)]
-    return seen
 
 
 def innermost_loops(lines: list) -> list:
