@@ -57,7 +57,7 @@ class Kernel:
         if self._library.device == "cuda":
             return self._run_on_gpu(args, stream)
         mems = [_as_memory(value, sig.name, *spec) for value, spec in zip(args, sig.args)]
-        _check_no_alias(sig, [m.physical_view() for m in mems])
+        _check_no_alias(sig, _views_overlap([m.physical_view() for m in mems]))
         if stream is not None:
             return stream.submit(self._run, mems)
         self._run(mems)
@@ -80,8 +80,8 @@ class Kernel:
                                 f"build GPU libraries with policy dst_fused or dst_stage")
         tensors = [_as_gpu_tensor(value, f"{sig.name}: argument {spec[0]!r}", *spec[1:])
                    for value, spec in zip(args, sig.args)]
-        _check_no_overlap(sig, [(t.data_ptr(), t.numel() * _itemsize(spec[3]))
-                                for t, spec in zip(tensors, sig.args)])
+        _check_no_alias(sig, _ranges_overlap([(t.data_ptr(), t.numel() * _itemsize(spec[3]))
+                                               for t, spec in zip(tensors, sig.args)]))
         self.run_raw(tensors)
         stage = contract.get("dst_stage") if contract else None
         if stage:
@@ -119,7 +119,7 @@ class Kernel:
             raise ArgumentError(f"{sig.name}: bind() holds host memories; call a GPU kernel "
                                 f"directly with GPU tensors")
         mems = [_as_memory(value, sig.name, *spec) for value, spec in zip(args, sig.args)]
-        _check_no_alias(sig, [m.physical_view() for m in mems])
+        _check_no_alias(sig, _views_overlap([m.physical_view() for m in mems]))
         return BoundCall(self, mems)
 
     def run_raw(self, views):
@@ -331,22 +331,22 @@ def _itemsize(dtype: str) -> int:
     return numpy_dtype(dtype).itemsize
 
 
-def _check_no_overlap(sig: Signature, ranges):
-    """``_check_no_alias`` for device memory, from (address, bytes) ranges."""
+def _check_no_alias(sig: Signature, overlap):
+    """Kernels are compiled assuming their buffers do not overlap; refuse aliasing outright.
+    ``overlap(i, j)``: whether arguments ``i`` and ``j`` share memory."""
     for i, (name_i, role_i, *_) in enumerate(sig.args):
         for j in range(i + 1, len(sig.args)):
             name_j, role_j = sig.args[j][:2]
-            (a, na), (b, nb) = ranges[i], ranges[j]
-            if (role_i, role_j) != ("in", "in") and a < b + nb and b < a + na:
+            if (role_i, role_j) != ("in", "in") and overlap(i, j):
                 raise ArgumentError(f"{sig.name}: arguments {name_i!r} and {name_j!r} overlap in "
                                     f"memory; this kernel needs separate buffers")
 
 
-def _check_no_alias(sig: Signature, views):
-    """Kernels are compiled assuming their buffers do not overlap; refuse aliasing outright."""
-    for i, (name_i, role_i, *_) in enumerate(sig.args):
-        for j in range(i + 1, len(sig.args)):
-            name_j, role_j = sig.args[j][:2]
-            if (role_i, role_j) != ("in", "in") and np.may_share_memory(views[i], views[j]):
-                raise ArgumentError(f"{sig.name}: arguments {name_i!r} and {name_j!r} overlap in "
-                                    f"memory; this kernel needs separate buffers")
+def _views_overlap(views):
+    return lambda i, j: np.may_share_memory(views[i], views[j])
+
+
+def _ranges_overlap(ranges):
+    """For device memory, from ``(address, bytes)`` ranges."""
+    return lambda i, j: ranges[i][0] < ranges[j][0] + ranges[j][1] and \
+        ranges[j][0] < ranges[i][0] + ranges[i][1]
