@@ -3,11 +3,13 @@ innermost loop vectorised to the register width.
 
 Their kernels carry conditions that TVM's vectoriser cannot keep in a vector: the block
 predicate of a valid-region-only store (``dst_stage``, ``on_handle``, ``user``: padding never
-written) and the ``if_then_else`` of a masked source read (``src``: source padding ignored). A
-condition that differs between the lanes of a vector makes TVM scalarise the whole loop. So the
-loops are partitioned where such a condition changes (the last, partial channel block; a vector
-that straddles a tensor's end) until it is the same for every lane of each piece, and the
-simplifier folds it away. exp, erf, tanh and sigmoid become polynomials first (``vector_math``).
+written), the ``if_then_else`` of a masked source read (``src``: source padding ignored) and
+the ``Select`` of ``dst_fused``'s zero store. A condition that differs between the lanes of a
+vector makes TVM scalarise the whole loop (or, for a Select, blend every vector). So the loops
+are partitioned where such a condition changes (the last, partial channel block; a vector that
+straddles a tensor's end) until it is the same for every lane of each piece, and the simplifier
+folds it away. The threads run over the whole first piece (one parallel launch, not one per
+channel block). exp, erf, tanh and sigmoid become polynomials first (``vector_math``).
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ def _elementwise(sch, block, target):
     # partitioned, which a fused loop cannot be); if none is left, inside each piece
     done = _parallel(sch, block, skip=0)
     for leaf in _partition(sch, block, vector=False):
-        if not done:
-            _parallel(sch, leaf, skip=1)
+        if not done:   # a piece that starts past 0 (the tail) cannot be fused with the loops in it
+            _parallel(sch, leaf, skip=int(_Nest(sch, leaf).mins[0] != 0))
         for piece in _partition(sch, leaf, vector=True):
             vec = sch.get_loops(piece)[-1]
             if int(sch.get(vec).extent) > 1:
@@ -122,8 +124,22 @@ class _Nest(Nest):
         def visit(call):
             if getattr(call.op, "name", "").endswith("if_then_else"):
                 self.conditions.append(self.over_loops(call.args[0]))
-        tvm_ffi.structural_walk(self.block.body, (tvm.ir.expr.Call, visit))
+
+        def visit_select(select):   # an index test (dst_fused's zero store), not a data test
+            if not _reads(select.condition):
+                self.conditions.append(self.over_loops(select.condition))
+        tvm_ffi.structural_walk(self.block.body, [(tvm.ir.expr.Call, visit),
+                                                  (tvm.tirx.Select, visit_select)])
 
     def lane_conditions(self) -> list:
+        """The conditions that may differ between lanes: they use the vector loop, and the
+        ranges of the loops (a partitioned piece's included) do not decide them."""
         lane = len(self.loops) - 1
-        return [c for c in self.conditions if self.uses(c, lane)] if self.loops else []
+        return [c for c in self.conditions
+                if self.uses(c, lane) and self.status(c) is None] if self.loops else []
+
+
+def _reads(expr) -> bool:
+    loads = []
+    tvm_ffi.structural_walk(expr, (tvm.ir.expr.TensorLoad, loads.append))
+    return bool(loads)
