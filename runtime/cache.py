@@ -359,14 +359,9 @@ class KernelCache:
                         self._stats.library_hits += 1
                     return lib[name]
         directory = os.path.join(self.jit_dir, key)
-        kernel = self._from_disk(req, directory)
+        kernel = self._on_disk(req, directory)
         if kernel is not None:
-            with self._lock:
-                self._stats.disk_hits += 1
             return kernel
-        failed = self._failed_on_disk(req, directory)
-        if failed:
-            raise KernelNotFound(failed)
         if self.compiler is None:
             raise KernelNotFound(f"no kernel for {req}: none of the {len(self._libraries)} "
                                  f"prebuilt libraries has it, the JIT cache {directory} does "
@@ -376,6 +371,19 @@ class KernelCache:
     def _fingerprint(self):
         fp = getattr(self.compiler, "fingerprint", None)
         return fp() if callable(fp) else fp
+
+    def _on_disk(self, req: Request, directory: str):
+        """The JIT cache's kernel for ``req`` (counted as a disk hit); None if it has none;
+        KernelNotFound if the generator is recorded to have failed on it."""
+        kernel = self._from_disk(req, directory)
+        if kernel is not None:
+            with self._lock:
+                self._stats.disk_hits += 1
+            return kernel
+        failed = self._failed_on_disk(req, directory)
+        if failed:
+            raise KernelNotFound(failed)
+        return None
 
     def _from_disk(self, req: Request, directory: str):
         try:
@@ -422,14 +430,9 @@ class KernelCache:
     def _compile(self, req: Request, directory: str) -> Kernel:
         os.makedirs(self.jit_dir, exist_ok=True)
         with _file_lock(directory + ".lock"):
-            kernel = self._from_disk(req, directory)   # another process may have made it
+            kernel = self._on_disk(req, directory)   # another process may have made it
             if kernel is not None:
-                with self._lock:
-                    self._stats.disk_hits += 1
                 return kernel
-            failed = self._failed_on_disk(req, directory)
-            if failed:
-                raise KernelNotFound(failed)
             tmp = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".", dir=self.jit_dir)
             try:
                 try:
