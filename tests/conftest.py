@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -88,3 +89,23 @@ def asm_functions(lib_dir) -> dict:
 def kernel_instructions(funcs, name) -> list:
     """A kernel's instructions: its entry point and the functions it reaches."""
     return [line for lines in assembly.kernel_code(funcs, name).values() for line in lines]
+
+
+def run_in_threads(fn, args) -> None:
+    """``fn(a)`` for each of ``args``, each in its own thread, all at once; re-raises the first
+    exception any thread raised (a failed assert in a thread would otherwise only be printed)."""
+    errors = []
+
+    def guarded(a):
+        try:
+            fn(a)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

@@ -21,6 +21,8 @@ import blockpad as bp
 from blockpad.jit import compile_kernels, fingerprint
 from blockpad.runtime.cache import KernelCache, KernelNotFound, Request
 
+from .conftest import run_in_threads
+
 S = (2, 30, 5, 7)
 BLK = bp.Layout("nChw16c", S)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,21 +95,9 @@ def test_key_is_the_whole_signature():
 def test_threads_asking_for_one_new_kernel_compile_it_once(tmp_path):
     compiler = Counting(delay=0.5)
     cache = KernelCache(compiler=compiler, cache_dir=tmp_path)
-    got, errors = [], []
-
-    def ask(req):
-        try:
-            got.append((req, cache.get(req)))
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
+    got = []
     reqs = [relu()] * 6 + [relu(alpha=0.25)] * 2
-    threads = [threading.Thread(target=ask, args=(r,)) for r in reqs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(lambda req: got.append((req, cache.get(req))), reqs)
     assert len(compiler.calls) == 2                     # one per distinct kernel
     assert len({id(k) for r, k in got if r == relu()}) == 1
     st = cache.stats()
@@ -217,27 +207,18 @@ def test_threads_run_kernels_of_one_library_and_cache_at_once(shared_dir):
     big = bp.Layout("nChw16c", (2, 30, 40, 40))
     cache.get(relu(big))        # large enough for TVM's thread pool to run it in parallel
     before = cache.stats()
-    errors = []
 
     def work(seed):
         rng = np.random.default_rng(seed)
-        try:
-            for i in range(20):
-                lay = big if i % 4 == 0 else BLK
-                alpha = 0.5 if i % 2 and lay is BLK else 0.0
-                k = cache.get(relu(lay, alpha=alpha))
-                x = rng.standard_normal(lay.shape).astype("float32")
-                src, dst = bp.Memory.from_numpy(x, lay), bp.Memory.empty(lay)
-                k(src, dst)
-                assert np.array_equal(dst.to_numpy(), np.where(x > 0, x, x * np.float32(alpha)))
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for i in range(20):
+            lay = big if i % 4 == 0 else BLK
+            alpha = 0.5 if i % 2 and lay is BLK else 0.0
+            k = cache.get(relu(lay, alpha=alpha))
+            x = rng.standard_normal(lay.shape).astype("float32")
+            src, dst = bp.Memory.from_numpy(x, lay), bp.Memory.empty(lay)
+            k(src, dst)
+            assert np.array_equal(dst.to_numpy(), np.where(x > 0, x, x * np.float32(alpha)))
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(work, range(6))
     after = cache.stats() - before
     assert after.compiles == after.misses == 0 and after.hits == 120

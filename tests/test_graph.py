@@ -19,6 +19,8 @@ from blockpad.runtime.graph_ops import conv_ref, softmax_ref
 from blockpad.runtime.memory import SubMemoryError
 from blockpad.runtime.passes import Node, inplace_pass
 
+from .conftest import run_in_threads
+
 POLICIES = ("on_handle", "dst_fused", "dst_stage", "src", "tracked", "user")
 S = (2, 30, 5, 7)          # channels pad to 32 in nChw16c
 BLK = bp.Layout("nChw16c", S)
@@ -473,26 +475,17 @@ def test_threads_share_one_graph_library_and_cache(cache, rng):
              for i in range(4)]
     g.run(x=inputs[0])
     zero_pads = g.run(x=inputs[0]).report.zero_pad_calls   # what one run does, alone
-    errors = []
 
     def work(i):
-        try:
-            for _ in range(5):
-                res = g.run(x=inputs[i])
-                assert np.allclose(res["eltwise_1"].numpy(), ref(inputs[i]), atol=1e-5)
-                assert res.report.zero_pad_calls == zero_pads   # not the other threads' too
-                xv, yv = pairs[i]
-                r2 = g2.run(x=bp.Memory.from_numpy(xv, BLK), y=yv)
-                assert np.allclose(r2["eltwise_2"].numpy(), _eltwise_ref(xv, yv), atol=1e-5)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for _ in range(5):
+            res = g.run(x=inputs[i])
+            assert np.allclose(res["eltwise_1"].numpy(), ref(inputs[i]), atol=1e-5)
+            assert res.report.zero_pad_calls == zero_pads   # not the other threads' too
+            xv, yv = pairs[i]
+            r2 = g2.run(x=bp.Memory.from_numpy(xv, BLK), y=yv)
+            assert np.allclose(r2["eltwise_2"].numpy(), _eltwise_ref(xv, yv), atol=1e-5)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(work, range(4))
 
 
 def test_report_is_printable_and_counts_zero_pads(cache, rng):
