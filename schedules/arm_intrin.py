@@ -27,12 +27,14 @@ def _sdot_impl(a: T.handle, b: T.handle, c: T.handle) -> None:
     with T.sblock("root"):
         T.reads(C[0:4], A[0:4], B[0:4, 0:4])
         T.writes(C[0:4])
-        vec_a = T.reinterpret(T.broadcast(T.reinterpret(A.vload([0], "int8x4"), dtype="int32"), 4),
-                              dtype="int8x16")
+        # no named temporary for the broadcast source: TVM 0.27 gives each one a workspace
+        # allocation of its own, a call per dot product
         C[T.ramp(T.int32(0), 1, 4)] = T.call_llvm_pure_intrin(
             T.llvm_lookup_intrinsic_id("llvm.aarch64.neon.sdot.v4i32.v16i8"),
-            C.vload([0], dtype="int32x4"), vec_a, B.vload([0, 0], dtype="int8x16"),
-            dtype="int32x4")
+            C.vload([0], dtype="int32x4"),
+            T.reinterpret(T.broadcast(T.reinterpret(A.vload([0], "int8x4"), dtype="int32"), 4),
+                          dtype="int8x16"),
+            B.vload([0, 0], dtype="int8x16"), dtype="int32x4")
 
 
 @functools.lru_cache(maxsize=1)
