@@ -19,9 +19,13 @@ import blockpad as bp
 from blockpad.codegen.spec import parse_spec
 from blockpad.runtime import machine
 from blockpad.runtime.library import Signature
+from blockpad import assembly
+from blockpad.bench import isa
 from blockpad.testing import qemu
 
 from .conftest import asm_functions, garbage, kernel_instructions, random_array
+from .test_x86_targets import _inputs as int8_inputs
+from .test_x86_targets import _reference as int8_reference
 
 MISSING = qemu.missing_tools()
 pytestmark = pytest.mark.skipif(
@@ -76,17 +80,38 @@ SPEC = {
 
 # int8 with sdot (neon-dotprod): weights with 4 x 4 blocks, output lanes outside reduction
 # lanes (BA4b4a: [N/4][K/4][4n][4k]; OIhw4o4i), K and C not multiples of 16
+_CONV_S8 = {"op": "conv2d", "dtype": "int8", "kernel": [3, 3], "src": "nChw4c",
+            "weights": "OIhw4o4i", "dst": "nChw4c"}
+_MM_S8 = {"op": "matmul", "dtype": "int8", "src": "ab", "weights": "BA4b4a"}
 DOTPROD_SPEC = {
     "library": {"name": "test-neon-dotprod"},
     "kernel": [
-        {"name": "mm_s8", "op": "matmul", "dtype": "int8", "shape": [6, 64], "n": 32,
-         "src": "ab", "weights": "BA4b4a", "dst": "ab"},
-        {"name": "mm_s8_blocked", "op": "matmul", "dtype": "int8", "shape": [5, 30], "n": 30,
-         "src": "aB4b", "weights": "BA4b4a", "dst": "aB4b",
-         "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]},
-        {"name": "conv_s8", "op": "conv2d", "dtype": "int8", "shape": [1, 14, 5, 6],
-         "channels": 10, "kernel": [3, 3], "src": "nChw4c", "weights": "OIhw4o4i",
-         "dst": "nChw4c"},
+        {"name": "mm_s8", **_MM_S8, "shape": [6, 64], "n": 32, "dst": "ab"},
+        {"name": "mm_s8_blocked", **_MM_S8, "shape": [5, 30], "n": 30, "src": "aB4b",
+         "dst": "aB4b", "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]},
+        {"name": "conv_s8", **_CONV_S8, "shape": [1, 14, 5, 6], "channels": 10},
+        # awkward nests: spatial padding read through a guard, C and K that are not block
+        # multiples (C=30: the last 4- and 8-channel blocks partial; K=12 in nChw8c: the last
+        # 8-block half past the weights' 4-blocks), strides, dilation, groups, M, N and K of
+        # plain matmuls that are not multiples of 4, every padding policy
+        {"name": "conv_s8_pad_bias", **_CONV_S8, "shape": [1, 30, 5, 6], "channels": 10,
+         "pad": [1, 1], "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]},
+        {"name": "conv_s8_8c_stride", **_CONV_S8, "shape": [1, 30, 7, 9], "channels": 12,
+         "pad": [1, 1], "stride": [2, 2], "src": "nChw8c", "dst": "nChw8c"},
+        {"name": "conv_s8_groups", **_CONV_S8, "shape": [1, 16, 5, 5], "channels": 16,
+         "pad": [2, 2], "dilation": [2, 2], "groups": 2, "weights": "gOIhw4o4i"},
+        {"name": "conv_s8_stage", **_CONV_S8, "shape": [1, 30, 4, 5], "channels": 10,
+         "pad": [1, 1], "policy": "dst_stage"},
+        {"name": "conv_s8_src", **_CONV_S8, "shape": [1, 30, 4, 5], "channels": 10,
+         "pad": [1, 1], "policy": "src"},
+        {"name": "conv_s8_masked", **_CONV_S8, "shape": [1, 32, 4, 5], "channels": 10,
+         "pad": [1, 1], "policy": "src"},
+        {"name": "mm_s8_odd", **_MM_S8, "shape": [5, 30], "n": 30, "dst": "ab",
+         "post_ops": [{"kind": "bias"}]},
+        {"name": "mm_s8_odd_stage", **_MM_S8, "shape": [7, 18], "n": 13, "dst": "aB4b",
+         "policy": "dst_stage"},
+        {"name": "mm_s8_odd_masked", **_MM_S8, "shape": [7, 18], "n": 13, "dst": "aB4b",
+         "policy": "src"},
     ],
 }
 
@@ -125,6 +150,16 @@ def dotprod_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("neon-dotprod") / "lib"
     bp.build(parse_spec(DOTPROD_SPEC), "neon-dotprod", out, log=lambda m: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def dotprod_lib(dotprod_dir):
+    return signatures(dotprod_dir)
+
+
+@pytest.fixture(scope="session")
+def dotprod_asm(dotprod_dir) -> dict:
+    return asm_functions(dotprod_dir)
 
 
 def signatures(lib_dir) -> dict:
@@ -292,55 +327,79 @@ def test_exp_covers_the_whole_fp32_range(neon_dir):
 
 
 def _int8_calls(lib, rng):
-    """Inputs for every matmul / conv of a library, a NaN-filled destination, and the numpy
-    result: exact int32 accumulation, then fp32 output scale (+ bias, relu)."""
+    """For every matmul / conv of a library: its call (full-range s8 inputs, a unit scale so
+    that the float destination is the int32 accumulator, NaN in the destination, garbage in
+    source padding the kernel promises to mask) and its destination zero-pad stage where the
+    policy has one; and per kernel the numpy result and what its destination padding must
+    hold."""
     calls, checks = [], []
     for name, sig in lib.items():
         if sig.op not in ("matmul", "conv2d"):
             continue
-        args = {}
-        for arg, role, lay, _ in sig.args:
-            args[arg] = _source(lay, rng) if role == "in" else _fill_dst(lay)
-        x, w = args["src"].to_numpy().astype(np.int64), args["weights"].to_numpy().astype(np.int64)
-        if sig.op == "matmul":
-            acc = x @ w
-            scale = args["scale"].to_numpy()
-        else:
-            kh, kw = w.shape[2:]
-            oh, ow = x.shape[2] - kh + 1, x.shape[3] - kw + 1
-            acc = sum(np.einsum("nchw,kc->nkhw", x[:, :, i:i + oh, j:j + ow], w[:, :, i, j])
-                      for i in range(kh) for j in range(kw))
-            scale = args["scale"].to_numpy()[:, None, None]
-        want = acc.astype(np.float32) * scale
-        post = [p["kind"] for p in sig.params.get("post_ops", [])]
-        if "bias" in post:
-            want = np.maximum(want + args["bias"].to_numpy(), 0)
+        args = int8_inputs(sig, rng)
         calls.append((name, [args[a[0]] for a in sig.args]))
-        checks.append((name, want, args["dst"]))
+        stage = sig.padding.get("dst_stage")
+        if stage:
+            calls.append((stage, [args["dst"]]))
+        checks.append((name, int8_reference(sig, args), args["dst"],
+                       _expected_padding(sig.padding, bool(stage))))
     return calls, checks
+
+
+def _check_int8(checks):
+    """Exact: the unit-scale destination is the int32 sum (integers below 2**24 are exact in
+    float32), bias and relu rounded once, as numpy rounds them."""
+    for name, want, dst, padding in checks:
+        got = dst.to_numpy()
+        np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=name)
+        pad = _padding(dst)
+        if padding == "zero":
+            assert np.all(pad == 0), f"{name}: destination padding not zero"
+        elif padding == "untouched":
+            assert np.all(np.isnan(pad)), f"{name}: wrote the padding it promised to leave alone"
+
+
+def _sdot_hot_loop(funcs, name) -> dict:
+    """The instruction mix of ``name``'s hot loop (``blockpad bench isa``'s: the innermost
+    loop with the most dot instructions), which must be a loop of ``sdot``: most of its dot
+    instructions are (the rest: the epilogue's ``fmla``, where LLVM unrolled the whole
+    reduction into the loop over tiles)."""
+    where, m = isa.hot_loop(funcs, name, "aarch64")
+    loops = [l for lines in assembly.kernel_code(funcs, name).values()
+             for l in isa.innermost_loops(lines)]
+    hot = max(loops, key=lambda l: isa.mix(l, "aarch64")["dot"], default=[])
+    sdots = sum(i.split()[0] == "sdot" for i in hot if i.split())
+    assert where == "loop" and 2 * sdots > m["dot"], f"{name}: hot loop {where} {m}"
+    return m
 
 
 def test_int8_matmul_without_dotprod_uses_no_sdot(neon_dir, neon_lib, neon_asm, rng):
     assert not any(i.startswith("sdot") for i in kernel_instructions(neon_asm, "mm_s8"))
     calls, checks = _int8_calls(neon_lib, rng)
     qemu.run_many(neon_dir, calls)
-    for name, want, dst in checks:
-        np.testing.assert_allclose(dst.to_numpy(), want, rtol=1e-6, err_msg=name)
+    _check_int8(checks)
 
 
-def test_int8_matmul_and_conv_run_on_sdot(dotprod_dir, rng):
-    lib, asm = signatures(dotprod_dir), asm_functions(dotprod_dir)
+def test_int8_matmul_and_conv_run_on_sdot(dotprod_dir, dotprod_lib, dotprod_asm):
     assert bp.runtime.manifest.read(dotprod_dir)["target"]["features"] == ["asimd", "asimddp"]
-    calls, checks = _int8_calls(lib, rng)
-    assert len(calls) == 3
-    for name, _ in calls:
-        sdot = [i for i in kernel_instructions(asm, name) if i.startswith("sdot")]
+    int8 = [n for n, sig in dotprod_lib.items() if sig.op in ("matmul", "conv2d")]
+    assert sorted(int8) == sorted(k["name"] for k in DOTPROD_SPEC["kernel"])
+    for name in int8:
+        sdot = [i for i in kernel_instructions(dotprod_asm, name) if i.startswith("sdot")]
         assert sdot and all(".4s" in i and ".16b" in i for i in sdot), f"{name}: no sdot"
+        spills = _sdot_hot_loop(dotprod_asm, name)["spills"]
+        # convolutions: register tiles whose accumulators stay in q registers. (A small
+        # matmul's reduction, 5 to 8 steps, is unrolled whole into the loop over tiles, and
+        # LLVM hoists all its loads: some spill.)
+        assert dotprod_lib[name].op != "conv2d" or not spills, name
+
+
+def test_int8_sdot_kernels_match_numpy_exactly_under_each_policy(dotprod_dir, dotprod_lib, rng):
+    calls, checks = _int8_calls(dotprod_lib, rng)
+    policies = {dotprod_lib[name].padding["policy"] for name, *_ in checks}
+    assert set(POLICIES) <= policies
     qemu.run_many(dotprod_dir, calls)
-    for name, want, dst in checks:
-        np.testing.assert_allclose(dst.to_numpy(), want, rtol=1e-6, err_msg=name)
-        pad = _padding(dst)
-        assert np.all(pad == 0), f"{name}: destination padding not zero"
+    _check_int8(checks)
 
 
 def test_the_shared_object_holds_neon_code(neon_dir, dotprod_dir):
