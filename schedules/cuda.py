@@ -20,7 +20,8 @@ order, so a stage sees its predecessor's stores.
 
 from __future__ import annotations
 
-from tvm import s_tir
+import tvm_ffi
+from tvm import s_tir, tirx
 
 from .common import op_of
 
@@ -70,16 +71,13 @@ def bind_spatial(sch, block, threads: int = THREADS):
     sch.bind(tx, "threadIdx.x")
 
 
-def _aligned_params(func, align):
+def aligned_params(func, align):
     """``func`` with compact, ``align``-byte aligned parameter buffers, and the function that
     puts the original parameters (strided, any offset) back into a func derived from it.
     Schedule primitives copy a buffer's declaration into the stages they derive from it:
     shared-memory copies of a parameter would inherit its symbolic element offset and its
     element alignment, which the tensor-core fragment loads reject (they need 64 bytes and
     offsets in multiples of 16)."""
-    import tvm_ffi
-    from tvm import tirx
-
     pairs = [(p, tirx.decl_buffer(p.shape, p.dtype, p.name, data_alignment=align))
              for p in func.params]
 
@@ -90,10 +88,49 @@ def _aligned_params(func, align):
     return swap(func, pairs), lambda f: swap(f, [(b, a) for a, b in pairs])
 
 
+class KeptPredicates:
+    """The block predicates of an unscheduled function (the ``valid`` plan's ``not
+    is_padding`` on ``dst``), put back after scheduling: ``compute_at`` and
+    ``reverse_compute_at`` give the moved block the predicate of its new loops only, and a
+    ``dst_stage`` kernel would then store into padding it promised to leave alone."""
+
+    def __init__(self, func):
+        self.by_block = {}
+
+        def record(realize):
+            if not _is_true(realize.predicate):
+                self.by_block[realize.block.name_hint] = _substitute(
+                    realize.predicate, dict(zip(realize.iter_values,
+                                                [iv.var for iv in realize.block.iter_vars])))
+
+        tvm_ffi.structural_walk(func, (s_tir.SBlockRealize, record))
+
+    def restore(self, func):
+        """``func`` whose blocks each carry their original predicate (again)."""
+        def put(realize):
+            pred = self.by_block.get(realize.block.name_hint)
+            if pred is None:
+                return realize
+            pred = _substitute(pred, {iv.var: v for iv, v in zip(realize.block.iter_vars,
+                                                                 realize.iter_values)})
+            if not _is_true(realize.predicate):
+                pred = tirx.And(realize.predicate, pred)
+            return s_tir.SBlockRealize(realize.iter_values, pred, realize.block)
+
+        return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, put))
+
+
+def _substitute(expr, mapping: dict):
+    return tvm_ffi.structural_map(expr, (tirx.Var, lambda v: next(
+        (new for old, new in mapping.items() if v.same_as(old)), v)))
+
+
+def _is_true(expr) -> bool:
+    return isinstance(expr, tirx.IntImm) and expr.value == 1
+
+
 def _reduction_loop_vars(sch, block) -> list:
     """Loop vars that feed a reduction (or opaque) iter var of ``block``."""
-    from tvm import tirx
-
     realize = _get_realize(sch, block)
     out = []
     for iv, value in zip(sch.get(block).iter_vars, realize.iter_values):
@@ -134,7 +171,7 @@ class Matmul:
 
         tvm_target = target.tvm_target()
         # scheduled over compact parameters; the layouts' strided ones are put back afterwards
-        aligned, restore = _aligned_params(func, 64)
+        aligned, restore = aligned_params(func, 64)
         try:
             with tvm_target:   # the first fp16 kernel imports TVM's CUDA intrinsics: ~30-60 s
                 sch = dlight.gpu.Matmul().apply(aligned, tvm_target, False)
