@@ -26,15 +26,18 @@ What makes a nest awkward, and how it is still tensorized:
 
 * spatial padding read through a guard (``if_then_else`` around the source), and the rows of a
   last, partial tile, become the predicate of a whole dot-product step (``_lift_conditions``);
-* masked weights (the ``src`` policy's guard on output channels past the logical ones) are read
-  unguarded inside the padded buffer, and the guard moves to where ``dst`` reads the
-  accumulator (``_lift_weight_guard``): zero there, as the guarded sum was;
+* guarded weights (output channels past what the weights hold: ``nChw8c`` with ``K = 12``
+  against ``OIhw4o4i``) where the guard holds or fails for whole vectors of lanes: the guard
+  too becomes the predicate of a step (``_lift_conditions``);
+* masked weights (the ``src`` policy's guard on output channels past the logical ones, which
+  splits a vector) are read unguarded inside the padded buffer, and the guard moves to where
+  ``dst`` reads the accumulator (``lift_weight_guard``): zero there, as the guarded sum was;
 * ``j`` not a multiple of ``lanes``, or ``r`` not a multiple of 4 (plain ``ab`` matmul
   sources and destinations: M, N, K of any size), pad the dot product (``pad_dot``): the
   accumulator gains the missing lanes (scratch nobody reads), the source is copied with its
   innermost dim zero-padded to a multiple of 4, so the extra reduction steps add zero;
 * a destination whose padding is left alone (``dst_stage``: ``dst`` predicated on the valid
-  elements) keeps its loop order.
+  elements) is tiled unpredicated and predicated again over its new loops (``tile_dst``).
 
 Anything else returns None and the next rule in the target's table tries.
 """
@@ -146,8 +149,7 @@ class DotTiled:
         if op_of(func) not in self.ops or self.feature not in target.features:
             return None
         func = pad_dot(lift_weight_guard(func, self.lanes), self.lanes)
-        # two or three column vectors per row where the column blocks divide so, else one (a
-        # destination whose padding is left alone cannot have its loops reordered for them)
+        # two or three column vectors per row where the column blocks divide so, else one
         for blocks in (2, 3, 1):
             sch = schedule(func, target, functools.partial(self._tile, blocks=blocks))
             if sch is not None:
@@ -324,7 +326,7 @@ def _read_padded(body, src, extra):
     def reread(block):
         if block.name_hint != "acc":
             return block
-        swap = (tirx.Buffer, lambda b: pad if b.same_as(src) else b)
+        swap = (tirx.Var, lambda b: pad if b.same_as(src) else b)   # buffers are Vars
         return tvm_ffi.structural_map(block, swap)
 
     root = body.block
