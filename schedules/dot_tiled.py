@@ -219,7 +219,7 @@ def tile_dst(sch, dst, nest, rows, blocks, lanes):
     u_loop = loops[u] if u is not None else None
     outer = [l for i, l in enumerate(loops[:-1]) if i not in (nest.t, u)]
     panels, cols = [], []
-    if int(sch.get(v).extent) > lanes:
+    if int(sch.get(v).extent) != lanes:   # fewer columns too: acc's tile covers whole vectors
         v_outer, v = sch.split(v, [None, lanes])
         if u_loop is None and nest.u is None and blocks > 1:
             u_loop = v_outer

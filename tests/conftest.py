@@ -109,3 +109,27 @@ def run_in_threads(fn, args) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+def dot_inputs(sig, rng) -> dict:
+    """Memories for every argument: full-range integers (u8 0..255, s8 -128..127: the shift
+    and the compensation of s8 sources must hold at the extremes), a unit scale (so the float
+    destination is the exact int32 accumulator), NaN-filled destinations, garbage in the
+    padding of sources a kernel promises to mask."""
+    out = {}
+    for name, role, lay, _ in sig.args:
+        dt = bp.layout.numpy_dtype(lay.dtype)
+        if role != "in":
+            out[name] = bp.Memory(lay, np.full(lay.alloc_len, np.nan, dt))
+            continue
+        if name == "scale":
+            a = np.ones(lay.shape, dt)
+        elif dt.kind in "iu":
+            info = np.iinfo(dt)
+            a = rng.integers(info.min, info.max + 1, lay.shape).astype(dt)
+        else:
+            a = rng.standard_normal(lay.shape).astype(dt)
+        out[name] = bp.Memory.from_numpy(a, lay)
+        if sig.padding and sig.padding["reads"] == "masked" and lay.has_padding:
+            out[name].buffer[lay.padding_offsets()] = 0x7F if dt.kind in "iu" else np.nan
+    return out

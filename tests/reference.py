@@ -58,3 +58,45 @@ def pool(entry, src):
 
 
 REFERENCES.update(softmax=softmax, pool=pool)
+
+
+# ---- dot-product kernels (conv2d, matmul) of any dtype, by signature -------------------------
+
+def dot_reference(sig, args) -> np.ndarray:
+    """The op on numpy: int64 (integer) or float64 products, then scale, bias, relu."""
+    wide = np.int64 if sig.args[0][2].dtype in ("int8", "uint8") else np.float64
+    x, w = (args[n].to_numpy().astype(wide) for n in ("src", "weights"))
+    channel = (slice(None),) if sig.op == "matmul" else (slice(None), None, None)
+    if sig.op == "matmul":
+        acc = x @ w
+    else:
+        acc = conv_reference(x, w, sig.params)
+    want = acc.astype(np.float64)
+    if "scale" in args:
+        want = want * args["scale"].to_numpy()[channel]
+    post = [p["kind"] for p in sig.params.get("post_ops", [])]
+    if "bias" in post:
+        want = want + args["bias"].to_numpy()[channel]
+    if any(p.get("algorithm") == "relu" for p in sig.params.get("post_ops", [])):
+        want = np.maximum(want, 0)
+    return want
+
+
+def conv_reference(x, w, params) -> np.ndarray:
+    """Direct convolution with stride, pad, dilation and groups (weights (G, K/G, C/G, KH, KW)
+    when grouped), as oneDNN defines it."""
+    (sh, sw), (ph, pw), (dh, dw) = params["stride"], params["pad"], params["dilation"]
+    g = params["groups"]
+    w = w.reshape(-1, *w.shape[-3:]) if g > 1 else w        # (K, C/G, KH, KW)
+    kh, kw = w.shape[2:]
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    cg, kg = x.shape[1] // g, w.shape[0] // g
+    out = []
+    for gi in range(g):
+        xg, wg = xp[:, gi * cg:(gi + 1) * cg], w[gi * kg:(gi + 1) * kg]
+        out.append(sum(np.einsum("nchw,kc->nkhw", xg[:, :, i * dh:i * dh + sh * oh:sh,
+                                                      j * dw:j * dw + sw * ow:sw], wg[:, :, i, j])
+                       for i in range(kh) for j in range(kw)))
+    return np.concatenate(out, axis=1)

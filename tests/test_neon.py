@@ -23,9 +23,8 @@ from blockpad import assembly
 from blockpad.bench import isa
 from blockpad.testing import qemu
 
-from .conftest import asm_functions, garbage, kernel_instructions, random_array
-from .test_x86_targets import _inputs as int8_inputs
-from .test_x86_targets import _reference as int8_reference
+from .conftest import asm_functions, dot_inputs, garbage, kernel_instructions, random_array
+from .reference import dot_reference
 
 MISSING = qemu.missing_tools()
 pytestmark = pytest.mark.skipif(
@@ -336,12 +335,12 @@ def _int8_calls(lib, rng):
     for name, sig in lib.items():
         if sig.op not in ("matmul", "conv2d"):
             continue
-        args = int8_inputs(sig, rng)
+        args = dot_inputs(sig, rng)
         calls.append((name, [args[a[0]] for a in sig.args]))
         stage = sig.padding.get("dst_stage")
         if stage:
             calls.append((stage, [args["dst"]]))
-        checks.append((name, int8_reference(sig, args), args["dst"],
+        checks.append((name, dot_reference(sig, args), args["dst"],
                        _expected_padding(sig.padding, bool(stage))))
     return calls, checks
 

@@ -25,7 +25,8 @@ import blockpad as bp
 from blockpad import assembly
 from blockpad.bench import isa
 
-from .conftest import asm_functions, kernel_instructions
+from .conftest import asm_functions, dot_inputs, kernel_instructions
+from .reference import dot_reference
 
 HAVE_VNNI = "avx512_vnni" in machine.cpu_features()
 HAVE_AMX = {"amx_tile", "amx_int8", "amx_bf16"} <= machine.cpu_features()
@@ -49,13 +50,19 @@ VNNI_SPEC = {"library": {"name": "test-vnni"}, "kernel": [
     {"name": "mm_s8_rows19", "op": "matmul", "dtype": "int8", "shape": [19, 64], "n": 48,
      "src": "ab", "weights": "BA16b4a", "dst": "aB16b"},
     # other padding policies: a separate stage zeroes the destination padding; masked reads
-    # of a source whose padding may be garbage (a guard on channels: not a dot product)
+    # of a source whose padding may be garbage
     {"name": "conv_s8_stage", "op": "conv2d", "dtype": "int8", "shape": [1, 20, 3, 5],
      "channels": 24, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
      "weights": "OIhw4i16o4i", "dst": "nChw16c", "policy": "dst_stage"},
     {"name": "conv_s8_masked", "op": "conv2d", "dtype": "int8", "shape": [1, 20, 3, 5],
      "channels": 24, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
      "weights": "OIhw4i16o4i", "dst": "nChw16c", "policy": "src"},
+    # N and K that are not multiples of the 16 lanes or of 4: padded accumulator lanes
+    # nobody reads, a source copied with its rows zero-padded to a multiple of 4
+    {"name": "mm_s8_odd", "op": "matmul", "dtype": "int8", "shape": [7, 18], "n": 13,
+     "src": "ab", "weights": "BA16b4a", "dst": "ab"},
+    {"name": "mm_u8_odd_stage", "op": "matmul", "dtype": "uint8", "shape": [5, 30], "n": 30,
+     "src": "ab", "weights": "BA16b4a", "dst": "aB16b", "policy": "dst_stage"},
     # not tensorized (fp32, bf16: RegisterTiled): zmm FMAs along the 16-channel block
     {"name": "conv_f32", "op": "conv2d", "dtype": "float32", "shape": [1, 16, 4, 6],
      "channels": 16, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
@@ -64,7 +71,7 @@ VNNI_SPEC = {"library": {"name": "test-vnni"}, "kernel": [
      "src": "ab", "weights": "BA16b2a", "dst": "ab"},
 ]}
 VNNI_INT8 = ("conv_s8_pad", "conv_s8_halo", "conv_u8_bias_relu", "mm_u8", "mm_s8_rows19",
-             "conv_s8_stage", "conv_s8_masked")
+             "conv_s8_stage", "conv_s8_masked", "mm_s8_odd", "mm_u8_odd_stage")
 
 # AMX: rows and columns multiples of 16, K a multiple of 64 (int8) / 32 (bf16); the nChw16c
 # convolution (16 channels a row, not 64) is left to vpdpbusd in the same library
@@ -104,74 +111,10 @@ def _has(code, mnemonic) -> bool:
     return any(l.split()[0] == mnemonic for l in code if l.split())
 
 
-# ---- data and numpy references -------------------------------------------------------------
-
-def _inputs(sig, rng) -> dict:
-    """Memories for every argument: full-range integers (u8 0..255, s8 -128..127: the shift
-    and the compensation of s8 sources must hold at the extremes), a unit scale (so the float
-    destination is the exact int32 accumulator), NaN-filled destinations, garbage in the
-    padding of sources a kernel promises to mask."""
-    out = {}
-    for name, role, lay, _ in sig.args:
-        dt = bp.layout.numpy_dtype(lay.dtype)
-        if role != "in":
-            out[name] = bp.Memory(lay, np.full(lay.alloc_len, np.nan, dt))
-            continue
-        if name == "scale":
-            a = np.ones(lay.shape, dt)
-        elif dt.kind in "iu":
-            info = np.iinfo(dt)
-            a = rng.integers(info.min, info.max + 1, lay.shape).astype(dt)
-        else:
-            a = rng.standard_normal(lay.shape).astype(dt)
-        out[name] = bp.Memory.from_numpy(a, lay)
-        if sig.padding and sig.padding["reads"] == "masked" and lay.has_padding:
-            out[name].buffer[lay.padding_offsets()] = 0x7F if dt.kind in "iu" else np.nan
-    return out
-
-
-def _reference(sig, args) -> np.ndarray:
-    """The op on numpy: int64 (integer) or float64 products, then scale, bias, relu."""
-    wide = np.int64 if sig.args[0][2].dtype in ("int8", "uint8") else np.float64
-    x, w = (args[n].to_numpy().astype(wide) for n in ("src", "weights"))
-    channel = (slice(None),) if sig.op == "matmul" else (slice(None), None, None)
-    if sig.op == "matmul":
-        acc = x @ w
-    else:
-        acc = _conv(x, w, sig.params)
-    want = acc.astype(np.float64)
-    if "scale" in args:
-        want = want * args["scale"].to_numpy()[channel]
-    post = [p["kind"] for p in sig.params.get("post_ops", [])]
-    if "bias" in post:
-        want = want + args["bias"].to_numpy()[channel]
-    if any(p.get("algorithm") == "relu" for p in sig.params.get("post_ops", [])):
-        want = np.maximum(want, 0)
-    return want
-
-
-def _conv(x, w, params) -> np.ndarray:
-    """Direct convolution with stride, pad, dilation and groups (weights (G, K/G, C/G, KH, KW)
-    when grouped), as oneDNN defines it."""
-    (sh, sw), (ph, pw), (dh, dw) = params["stride"], params["pad"], params["dilation"]
-    g = params["groups"]
-    w = w.reshape(-1, *w.shape[-3:]) if g > 1 else w        # (K, C/G, KH, KW)
-    kh, kw = w.shape[2:]
-    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
-    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
-    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
-    cg, kg = x.shape[1] // g, w.shape[0] // g
-    out = []
-    for gi in range(g):
-        xg, wg = xp[:, gi * cg:(gi + 1) * cg], w[gi * kg:(gi + 1) * kg]
-        out.append(sum(np.einsum("nchw,kc->nkhw", xg[:, :, i * dh:i * dh + sh * oh:sh,
-                                                      j * dw:j * dw + sw * ow:sw], wg[:, :, i, j])
-                       for i in range(kh) for j in range(kw)))
-    return np.concatenate(out, axis=1)
-
+# ---- checks ------------------------------------------------------------------------------
 
 def _check(name, sig, args, exact):
-    got, want = args["dst"].to_numpy(), _reference(sig, args)
+    got, want = args["dst"].to_numpy(), dot_reference(sig, args)
     if exact:
         np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=name)
     else:   # bf16 products are exact in fp32; only the summation order differs
@@ -228,7 +171,7 @@ def test_vnni_library_runs_here_and_matches_numpy(vnni_dir, rng):
     for name, sig in lib.kernels.items():
         if sig.op not in ("conv2d", "matmul"):
             continue
-        args = _inputs(sig, rng)
+        args = dot_inputs(sig, rng)
         lib[name](*[args[a[0]] for a in sig.args])
         _check(name, sig, args, _is_exact(sig))
 
@@ -275,7 +218,7 @@ def test_vnni_schedule_is_exact_on_any_cpu_with_the_reference_twin(spec, rng):
     from blockpad.schedules.x86_tensorized import Vnni
 
     sig, run = _twin(spec, Vnni(reference=True), "avx512-vnni")
-    args = _inputs(sig, rng)
+    args = dot_inputs(sig, rng)
     run(args)
     _check(spec["name"], sig, args, exact=True)
 
@@ -307,7 +250,7 @@ def test_amx_schedule_matches_numpy_with_the_reference_twin(name, rng):
 
     spec = next(k for k in AMX_SPEC["kernel"] if k["name"] == name)
     sig, run = _twin(spec, Amx(reference=True), "amx")
-    args = _inputs(sig, rng)
+    args = dot_inputs(sig, rng)
     run(args)
     _check(name, sig, args, _is_exact(sig))
 
@@ -317,7 +260,7 @@ def test_amx_library_runs_here_and_matches_numpy(amx_dir, rng):
     lib = bp.load(amx_dir)
     for name, sig in lib.kernels.items():
         if sig.op in ("conv2d", "matmul"):
-            args = _inputs(sig, rng)
+            args = dot_inputs(sig, rng)
             lib[name](*[args[a[0]] for a in sig.args])
             _check(name, sig, args, _is_exact(sig))
 
@@ -423,10 +366,10 @@ def test_isa_reports_the_built_libraries(vnni_dir, amx_dir):
     # register tiles: accumulators stay in zmm registers (no store, no spill); per reduction
     # step one broadcast load per row, one weight load per column vector (and, s8, one
     # compensation vpdpbusd per column vector). One column vector where the destination has
-    # one 16-channel block, or its loops may not be reordered (dst_stage leaves its padding
-    # alone); two (K = 24 -> 32) or three (N = 48) where the blocks divide so, and then each
-    # broadcast feeds as many dot products. 19 rows: tiles of 5, the last one's extra row
-    # predicated off.
+    # one 16-channel block; two (K = 24 -> 32) or three (N = 48) where the blocks divide so,
+    # and then each broadcast feeds as many dot products (dst_stage's valid-region predicate
+    # is put back after tiling, so it tiles alike). 19 rows: tiles of 5, the last one's extra
+    # row predicated off.
     for name, least in (("conv_s8_halo", 0.9), ("conv_s8_stage", 0.9), ("conv_s8_pad", 1.5),
                         ("conv_s8_masked", 1.5), ("mm_s8_rows19", 2.0)):
         where, m = isa.hot_loop(vnni, name, "x86_64")
