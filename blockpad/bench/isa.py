@@ -43,8 +43,14 @@ X86_KERNELS = {
     # channels last, 64 channels a row, OW = 16: the convolution AMX tiles take
     "conv_u8_nhwc": {**_CONV, "dtype": "uint8", "shape": [1, 64, 4, 18], "pad": [0, 0],
                      "src": "nhwc", "weights": "OIhw16i16o4i", "dst": "nChw16c"},
+    # awkward channels (C = 20, K = 24: both padded to 32 in 16-channel blocks)
+    "conv_s8_c20": {**_CONV, "dtype": "int8", "shape": [1, 20, 8, 16], "channels": 24,
+                    "src": "nChw16c", "weights": "OIhw4i16o4i", "dst": "nChw16c"},
     "mm_f32": {**_MM, "dtype": "float32", "src": "ab", "weights": "BA16a16b", "dst": "ab"},
     "mm_u8": {**_MM, "dtype": "uint8", "src": "ab", "weights": "BA16b4a", "dst": "ab"},
+    # N = 13 and K = 18: one padded vector of columns, a reduction padded to whole dwords
+    "mm_s8_odd": {**_MM, "dtype": "int8", "shape": [32, 18], "n": 13, "src": "ab",
+                  "weights": "BA16b4a", "dst": "ab"},
     "mm_bf16": {**_MM, "dtype": "bfloat16", "src": "ab", "weights": "BA16b2a", "dst": "ab"},
 }
 ARM_KERNELS = {
@@ -52,8 +58,13 @@ ARM_KERNELS = {
                  "dst": "nChw4c"},
     "conv_s8": {**_CONV, "dtype": "int8", "src": "nChw4c", "weights": "OIhw4o4i",
                 "dst": "nChw4c"},
+    # awkward channels (C = 30, K = 10: both padded to 32 / 12 in 4-channel blocks)
+    "conv_s8_c30": {**_CONV, "dtype": "int8", "shape": [1, 30, 8, 16], "channels": 10,
+                    "src": "nChw4c", "weights": "OIhw4o4i", "dst": "nChw4c"},
     "mm_f32": {**_MM, "dtype": "float32", "src": "ab", "weights": "Ba4b", "dst": "ab"},
     "mm_s8": {**_MM, "dtype": "int8", "src": "ab", "weights": "BA4b4a", "dst": "ab"},
+    "mm_s8_odd": {**_MM, "dtype": "int8", "shape": [32, 18], "n": 13, "src": "ab",
+                  "weights": "BA4b4a", "dst": "ab"},
 }
 # CUDA: fp32 only; the fp16/bf16 tensor-core kernels need TVM's own tensor intrinsics, whose
 # import costs a minute (tvm027.md 0.2), too much for a quick look
