@@ -105,6 +105,16 @@ class KeptPredicates:
 
         tvm_ffi.structural_walk(func, (s_tir.SBlockRealize, record))
 
+    def strip(self, func):
+        """``func`` without them: TVM's loop transformations refuse a predicated block."""
+        def drop(realize):
+            if realize.block.name_hint not in self.by_block:
+                return realize
+            return s_tir.SBlockRealize(realize.iter_values, tirx.const(True, "bool"),
+                                       realize.block)
+
+        return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, drop))
+
     def restore(self, func):
         """``func`` whose blocks each carry their original predicate (again)."""
         def put(realize):
@@ -127,6 +137,20 @@ def _substitute(expr, mapping: dict):
 
 def _is_true(expr) -> bool:
     return isinstance(expr, tirx.IntImm) and expr.value == 1
+
+
+def loop_depth(sch, block, loop) -> int:
+    """How many of ``block``'s loops enclose ``loop``'s body (``loop`` included)."""
+    stmt = sch.get(loop)
+    return 1 + next(i for i, l in enumerate(sch.get_loops(block)) if sch.get(l).same_as(stmt))
+
+
+def uses(expr, var) -> bool:
+    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
+
+
+def pow2_above(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
 
 
 def _reduction_loop_vars(sch, block) -> list:

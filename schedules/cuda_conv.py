@@ -35,10 +35,10 @@ import math
 
 import tvm
 import tvm_ffi
-from tvm import s_tir, tirx
+from tvm import s_tir
 
 from .common import op_of
-from .cuda import KeptPredicates, aligned_params, bind_spatial
+from .cuda import KeptPredicates, aligned_params, bind_spatial, loop_depth, pow2_above, uses
 from .generic import root_blocks
 from .x86_conv import _staged_source   # not x86-specific: a candidate for a shared module
 
@@ -55,14 +55,15 @@ class DirectConv:
             return None
         # scheduled over compact parameters (the shared tiles copy a parameter's declaration,
         # symbolic element offset included); the layouts' own ones are put back afterwards
-        compact, restore = aligned_params(_staged_source(func), 16)
+        kept = KeptPredicates(func)
+        compact, restore = aligned_params(kept.strip(_staged_source(func)), 16)
         sch = s_tir.Schedule(compact)
         try:
             if not _conv(sch):
                 return None
         except s_tir.ScheduleError:
             return None
-        return s_tir.Schedule(KeptPredicates(func).restore(restore(sch.mod["main"])))
+        return s_tir.Schedule(kept.restore(restore(sch.mod["main"])))
 
 
 class _Roles:
@@ -84,15 +85,15 @@ class _Roles:
         self.pixel = [l for l in spatial if l not in self.channel]
         pixel_vars = [iv_of[l].var for l in self.pixel]
         window = [l for l in self.pixel if any(
-            _uses(e, iv_of[l].var) and any(_uses(e, iv_of[r].var) for r in reduce)
+            uses(e, iv_of[l].var) and any(uses(e, iv_of[r].var) for r in reduce)
             for e in src_index)]
         self.rows, self.cols = ([None, *window][-2:] if window else (None, None))
         self.step = [r for r in reduce if not any(
-            _uses(e, iv_of[r].var) and any(_uses(e, v) for v in pixel_vars) for e in src_index)]
+            uses(e, iv_of[r].var) and any(uses(e, v) for v in pixel_vars) for e in src_index)]
         self.window = [r for r in reduce if r not in self.step]
         self.src_name = src.source.name
         # grouped: a source element meets one group's channels (depthwise: one channel)
-        self.grouped = any(_uses(e, iv_of[l].var) for l in self.channel for e in src_index)
+        self.grouped = any(uses(e, iv_of[l].var) for l in self.channel for e in src_index)
 
 
 def _conv(sch) -> bool:
@@ -111,7 +112,7 @@ def _conv(sch) -> bool:
     _registers(sch, acc, shared[1:] if roles.grouped else shared, step_in)
     sch.reverse_compute_at(dst, threads, preserve_unit_loops=True)
     init = sch.decompose_reduction(acc, step)
-    depth = _depth(sch, dst, threads)
+    depth = loop_depth(sch, dst, threads)
     for block in (init, dst):
         for loop in sch.get_loops(block)[depth:]:
             sch.unroll(loop)
@@ -140,8 +141,8 @@ class _Tile:
         kr = 4 if k >= 16 else 1
         kt = min(16, _pow2_below(-(-k // kr)))
         wr = 4 if ow >= 16 else 2 if ow >= 4 else 1
-        wt = min(THREADS // kt, _pow2_above(-(-ow // wr)))
-        ht = min(THREADS // (kt * wt), _pow2_above(oh))
+        wt = min(THREADS // kt, pow2_above(-(-ow // wr)))
+        ht = min(THREADS // (kt * wt), pow2_above(oh))
         window = math.prod(ext[r] for r in roles.window)
         c = ext[roles.step[0]]
         for step in STEPS:
@@ -223,7 +224,7 @@ def _stage(sch, acc, roles, step, threads):
             copies.append(producer[0])
         else:
             copies.append(sch.cache_read(acc, i, "shared"))
-    depth = _depth(sch, acc, step)
+    depth = loop_depth(sch, acc, step)
     for copy in copies:
         sch.compute_at(copy, step)
         loops = sch.get_loops(copy)[depth:]
@@ -256,12 +257,6 @@ def _guarded(block, buffer) -> bool:
                and c.args[1].source.same_as(buffer) for c in calls)
 
 
-def _depth(sch, block, loop) -> int:
-    """How many of ``block``'s loops enclose ``loop``'s body (``loop`` included)."""
-    stmt = sch.get(loop)
-    return 1 + next(i for i, l in enumerate(sch.get_loops(block)) if sch.get(l).same_as(stmt))
-
-
 def _read(block, prefix):
     """The read region of ``block`` whose buffer name starts with ``prefix``."""
     return next(r for r in block.reads if r.source.name.startswith(prefix))
@@ -274,20 +269,12 @@ def _indices(block, buffer):
     return [i for load in loads if load.source.same_as(buffer) for i in load.indices]
 
 
-def _uses(expr, var) -> bool:
-    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
-
-
 def _uses_region(region, var) -> bool:
-    return any(_uses(r.min, var) or _uses(r.extent, var) for r in region.region)
+    return any(uses(r.min, var) or uses(r.extent, var) for r in region.region)
 
 
 def _pow2_below(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
-
-
-def _pow2_above(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
 
 
 RULES = [DirectConv()]

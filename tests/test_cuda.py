@@ -300,6 +300,157 @@ def test_fallback_binds_any_kernel():
     assert source.count("__global__") >= 2 and ".target sm_80" in ptx
 
 
+# ---- convolution, softmax, pooling: their own CUDA rules ---------------------------------------
+
+_CONV = {"op": "conv2d", "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
+         "weights": "OIhw16i16o", "dst": "nChw16c"}
+OPS = {   # small shapes; channel tails (C = 20, 30), ragged tiles, every padding mechanism
+    "conv_fused": {**_CONV, "shape": [1, 30, 8, 8], "channels": 20},
+    "conv_stage_bias": {**_CONV, "shape": [1, 20, 7, 7], "channels": 24, "spatial_pad": "stage",
+                        "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]},
+    "conv_dst_stage": {**_CONV, "shape": [1, 20, 6, 6], "channels": 24, "policy": "dst_stage"},
+    "conv_src_policy": {**_CONV, "shape": [1, 20, 6, 6], "channels": 24, "policy": "src"},
+    "conv_plain_s2": {**_CONV, "shape": [2, 5, 9, 11], "channels": 7, "stride": [2, 2],
+                      "src": "nchw", "weights": "oihw", "dst": "nchw"},
+    "conv_depthwise": {**_CONV, "shape": [1, 32, 10, 10], "channels": 32, "groups": 32,
+                       "weights": "Goihw16g"},
+    "conv_halo": {**_CONV, "shape": [1, 16, 8, 8], "channels": 16,
+                  "src": {"tag": "nChw16c", "paddings": {"h": [1, 1], "w": [1, 1]}}},
+    "softmax": {"op": "softmax", "shape": [2, 30, 3, 5], "src": "nChw16c", "dst": "nChw16c"},
+    "softmax_stage": {"op": "softmax", "shape": [2, 30, 3, 5], "policy": "dst_stage",
+                      "src": "nChw16c", "dst": "nChw16c"},
+    "logsoftmax_wide": {"op": "softmax", "shape": [2, 3000, 2, 3], "log": True, "src": "nhwc",
+                        "dst": "nhwc"},
+    "softmax_h_mixed": {"op": "softmax", "shape": [2, 30, 7, 5], "axis": 2, "src": "nchw",
+                        "dst": "nChw16c"},
+    "pool_avg": {"op": "pool", "shape": [2, 30, 8, 8], "algorithm": "avg", "kernel": [3, 3],
+                 "stride": [2, 2], "pad": [1, 1], "src": "nChw16c", "dst": "nChw16c"},
+    "pool_max_stage": {"op": "pool", "shape": [2, 30, 9, 9], "kernel": [3, 3], "stride": [2, 2],
+                       "policy": "dst_stage", "src": "nChw16c", "dst": "nChw16c"},
+}
+
+
+@pytest.fixture(scope="session", params=list(ARCHS))
+def ops_lib(request, build_dir):
+    out = build_dir / f"ops-{request.param}"
+    spec = {"library": {"name": "cuda-ops"}, "kernel": [{"name": n, **k} for n, k in OPS.items()]}
+    bp.build(parse_spec(spec), request.param, out, log=lambda m: None)
+    return ARCHS[request.param], out
+
+
+def kernel_ptx(out, name):
+    from blockpad.inspect import show
+
+    return show(out, "ptx", name)
+
+
+def test_conv_tiles_through_shared_memory(ops_lib):
+    """Every conv: one kernel, a 2-D thread block tile staged through shared memory with
+    barriers, FMAs on shared/register operands, accumulators in registers (no local memory)."""
+    cc, out = ops_lib
+    for name in (n for n in OPS if n.startswith("conv")):
+        ptx = kernel_ptx(out, name)
+        assert ptx.count(".entry") == 1, name   # the epilogue is fused, nothing left at the root
+        assert ".shared" in ptx and "bar.sync" in ptx and re.search(r"ld\.shared", ptx), name
+        assert re.search(r"fma\.rn(\.ftz)?\.f32", ptx) and ".local" not in ptx, name
+        tir = (out / "source" / f"{name}.tir.py").read_text()
+        assert 'thread="threadIdx.x"' in tir and 'scope="shared"' in tir, name
+    fused = (out / "source" / "conv_fused.tir.py").read_text()
+    # fused spatial padding: the guard loads the zero-haloed shared tile, not the FMA operand
+    assert re.search(r'src_pad_shared\[.*\] = T\.if_then_else\(', fused)
+    stage = (out / "source" / "conv_dst_stage.tir.py").read_text()
+    assert "T.where(" in stage and ">= 24" in stage        # channels 24..31 not written
+
+
+def test_softmax_reduces_across_threads(ops_lib):
+    """A block of rows per thread block; each row's max and sum reduced across its lanes (warp
+    shuffles), computed once per row, not per element; one kernel."""
+    cc, out = ops_lib
+    for name in (n for n in OPS if "softmax" in n):
+        ptx = kernel_ptx(out, name)
+        assert ptx.count(".entry") == 1 and "shfl.sync" in ptx, name
+        tir = (out / "source" / f"{name}.tir.py").read_text()
+        assert 'thread="threadIdx.y"' in tir, name
+        for stat in ("max", "sum"):   # the row reduction's inner loop is the lanes
+            block = tir.split(f'T.sblock("{stat}")')[0].rsplit("for ", 3)
+            assert 'thread="threadIdx.x"' in "".join(block[-2:]), (name, stat)
+    assert "T.where(" in (out / "source" / "softmax_stage.tir.py").read_text()
+
+
+def test_pool_reduces_its_window_in_a_register(ops_lib):
+    cc, out = ops_lib
+    for name in ("pool_avg", "pool_max_stage"):
+        ptx = kernel_ptx(out, name)
+        assert ptx.count(".entry") == 1 and ".local" not in ptx, name
+        tir = (out / "source" / f"{name}.tir.py").read_text()
+        assert 'scope="local"' in tir and "T.unroll(3)" in tir, name
+    assert "T.where(" in (out / "source" / "pool_max_stage.tir.py").read_text()
+
+
+def run_serially(func):
+    """``func``, a scheduled CUDA kernel, made runnable on the CPU: each thread-bound loop
+    becomes a serial loop (a block's threads one after the other: a cooperative copy then
+    completes before the loop that reads it, as its barrier promises), shared and local buffers
+    become plain memory. Local buffers are per thread on a GPU: each serial thread iteration
+    starts by filling the local buffers it touches with NaN, so a thread that read another
+    thread's registers would show NaN. What this does not check: TVM's own lowering after
+    scheduling (barrier insertion, the all-reduce lowering, storage compaction) and nvcc."""
+    import tvm
+    import tvm_ffi
+    from tvm import tirx
+
+    local = [b for b in func.body.block.alloc_buffers if b.scope() == "local"]
+
+    def touches(stmt, buf):
+        hit = []
+        tvm_ffi.structural_walk(stmt, [
+            (tvm.ir.expr.TensorLoad, lambda n: hit.append(n.source.same_as(buf))),
+            (tirx.BufferStore, lambda n: hit.append(n.buffer.same_as(buf)))])
+        return any(hit)
+
+    def poison(buf):
+        idx = [tirx.Var(f"p{i}", "int32") for i in range(len(buf.shape))]
+        stmt = tirx.BufferStore(buf, tirx.const(float("nan"), str(buf.dtype)), idx)
+        for v, n in reversed(list(zip(idx, buf.shape))):
+            stmt = tirx.For(v, 0, n, tirx.ForKind.SERIAL, stmt)
+        return stmt
+
+    def serial(loop):
+        if loop.kind != tirx.ForKind.THREAD_BINDING:
+            return loop
+        fills = [poison(b) for b in local if touches(loop.body, b)]
+        body = tirx.SeqStmt([*fills, loop.body]) if fills else loop.body
+        return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.SERIAL, body, None,
+                        loop.annotations)
+
+    serial_func = tvm_ffi.structural_map(func, (tirx.For, serial))
+    return tvm.compile(tvm.IRModule({"main": serial_func}), target="llvm")["main"]
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_scheduled_algorithm_matches_the_kernel_on_the_cpu(name):
+    """The CUDA schedule's algorithm (tiles, staging, cross-thread reductions, predicates), run
+    serially on the CPU, against the same kernel unscheduled: no GPU here to run it on."""
+    import tvm
+
+    from blockpad.codegen.build import make_kernels
+    from blockpad.codegen.targets import get_target
+    from blockpad.schedules import schedule
+
+    spec = parse_spec({"library": {"name": "x"}, "kernel": [{"name": name, **OPS[name]}]})
+    kernel = make_kernels(spec.kernels[0])[0]
+    scheduled = run_serially(schedule(kernel.func, get_target("cuda-sm80")))
+    reference = tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"]
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal([int(x) for x in p.shape]).astype(str(p.dtype))
+            for p in kernel.func.params]   # garbage in dst: padding the plan leaves must stay
+    expected = [a.copy() for a in args]
+    scheduled(*args)
+    reference(*expected)
+    assert not np.isnan(args[-1]).any()
+    np.testing.assert_allclose(args[-1], expected[-1], rtol=1e-4, atol=1e-4)   # summation order
+
+
 # ---- calling a GPU library: GPU tensors in, zero-copy, padding contract honoured -------------
 
 class FakeCudaTensor:
