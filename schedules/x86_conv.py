@@ -21,7 +21,10 @@ micro-kernel is the classic one (oneDNN's jit convolutions, BLIS):
   (``_staged_source``: one pass over the source against a branch per FMA pair), and a tile that
   overhangs its dim is computed whole (``_whole_tiles``: rows past the end read the last row,
   columns past the end read the blocked layout's padding); only the destination store is
-  predicated;
+  predicated. Where that costs (a partial last panel of columns: TVM scalarises its predicated
+  vector store; tall tiles over clamped rows: LLVM spills), the last rows and columns are cut off
+  into kernels of their own (``_edge_parts``); the innermost reduction loop is unrolled by 16
+  with its tail peeled off where no divisor of its extent is near 16 (``_unrolled``: k = 511);
 * the loops outside the tile run in parallel, fused into one (TVM's pool gives each thread a
   contiguous chunk); a panel of columns outside the rows, so its weights stay in cache while the
   rows stream past.
@@ -39,6 +42,7 @@ the nest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -54,6 +58,7 @@ _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 _IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 SPATIAL, REDUCE = 0, 2   # IterVar types
 UNROLL = 16        # the innermost reduction loop is unrolled up to this many steps
+CLAMPED_ROWS = 6   # the most rows of a tile that may read a clamped row (``_edge_parts``)
 
 
 @dataclass(frozen=True)
@@ -83,17 +88,20 @@ class RegisterTiled:
     def space(self, func, target, first=False) -> list:
         """Complete, valid schedules of ``func``, the first one ``apply``'s: the design spaces
         ``schedules/space.py`` hands MetaSchedule (register tile shapes, one or two vectors of
-        columns, unrolled or rolled channel loop, what the threads split). ``first``: stop
-        at the first that schedules."""
+        columns, unrolled or rolled channel loop, what the threads split), each once: two
+        Configs can schedule alike (what the threads split, where the whole panels are one).
+        ``first``: stop at the first that schedules."""
         configs = self.configs(func, target)
         for tails in (False, True):     # a predicated column tail only where nothing else fits
-            out = []
+            out, seen = [], set()
             for cfg in configs:
                 sch = _schedule(func, target, cfg, tails)
-                if sch is not None:
-                    out.append(sch)
-                    if first:
-                        return out
+                if sch is None or tvm_ffi.structural_hash(sch.mod) in seen:
+                    continue
+                seen.add(tvm_ffi.structural_hash(sch.mod))
+                out.append(sch)
+                if first:
+                    return out
             if out:
                 return out
         return []
@@ -128,21 +136,60 @@ class RegisterTiled:
 def _schedule(func, target, cfg: Config, tails=False):
     """The schedule of ``cfg``, or None where it would leave a predicated vector tail in the
     hot loop (columns past the end that no source pads, which TVM scalarises) unless
-    ``tails``, or where a primitive refuses the nest."""
-    func, whole = _whole_tiles(_staged_source(_unpredicated(func, "acc")), cfg.mr, cfg.nr,
-                               cfg.lanes)
+    ``tails``, or where a primitive refuses the nest. Rows and columns that whole tiles do not
+    cover are, where that pays, kernels of their own (``_edge_parts``)."""
+    func, parts = _edge_parts(_staged_source(_unpredicated(func, "acc")), cfg)
+    whole = True
+    for i, (acc, dst, c) in enumerate(parts):
+        func, part_whole = _whole_tiles(func, acc, c.mr, c.nr)
+        whole = whole and part_whole
+        parts[i] = (acc, dst, dataclasses.replace(c, nr=min(c.nr, _extent(func, acc, 1))))
     if not whole and not tails:
         return None
     sch = s_tir.Schedule(func)
+    names = {name for part in parts for name in part[:2]}
     try:
-        acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
-        stages = [b for b in root_blocks(sch) if sch.get(b).name_hint not in ("acc", "dst")]
-        _tile(sch, acc, dst, cfg)
+        stages = [b for b in root_blocks(sch) if sch.get(b).name_hint not in names]
+        for acc, dst, c in parts:
+            _tile(sch, sch.get_sblock(acc), sch.get_sblock(dst), c)
         for block in stages:   # a spatial padding stage, if the kernel has one
             spatial_parallel_vectorize(sch, block, target)
     except s_tir.ScheduleError:
         return None
     return sch
+
+
+def _edge_parts(func, cfg: Config):
+    """(``func``, its ``[(acc, dst, Config)]`` stage pairs to tile): ``acc`` and ``dst``, and
+    where whole tiles leave some over, the rest cut off (``_cut``) as pairs of their own:
+
+    * the last, partial panel of columns (1000 = 31 x 32 + 8), tiled in whole vectors: tiled
+      with the others, its store is predicated per lane, and TVM scalarises a predicated vector
+      store, in every tile of the nest (~10% of the AVX-512 time at k = 511);
+    * the last rows (257 = 32 x 8 + 1) of a tile taller than ``CLAMPED_ROWS``: tiled with the
+      others, each row of a tile reads ``src[min(row, last)]``, an address of its own (not
+      base + constant), and past 6 of them LLVM spills the unrolled loop (AVX-512, 8 x 32
+      tiles: 0.92x numpy at 257 rows, 1.15x at 264)."""
+    parts = [("acc", "dst", cfg)]
+    rows = _extent(func, "dst", 2)
+    if cfg.mr > CLAMPED_ROWS and rows > cfg.mr and rows % cfg.mr:
+        func = _cut(func, "acc", "dst", 2, rows // cfg.mr * cfg.mr, "_rows")
+        parts.append(("acc_rows", "dst_rows", dataclasses.replace(cfg, mr=rows % cfg.mr)))
+    cols = _extent(func, "dst", 1)
+    if cfg.nr < cols and cols % cfg.nr:
+        for acc, dst, c in list(parts):
+            func = _cut(func, acc, dst, 1, cols // cfg.nr * cfg.nr, "_cols")
+            nr = -(-(cols % cfg.nr) // cfg.lanes) * cfg.lanes
+            parts.append((acc + "_cols", dst + "_cols", dataclasses.replace(c, nr=nr)))
+    return func, parts
+
+
+def _extent(func, name, back) -> int:
+    """The extent of block ``name``'s ``back``-th spatial dim from the last (1: the vector
+    dim, 2: the register-tile dim)."""
+    block = _realize_of(func, name).block
+    n_sp = sum(1 for iv in block.iter_vars if int(iv.iter_type) == SPATIAL)
+    return int(block.iter_vars[n_sp - back].dom.extent)
 
 
 def _nest_shape(func):
@@ -206,10 +253,10 @@ def _tile_loops(sch, dst, cfg: Config, u) -> list:
         outer[u], u_inner = sch.split(outer[u], [None, cfg.mu])
         tile.append(u_inner)
     t_outer, t = sch.split(t, [None, cfg.mr])
-    if cfg.nr < v_extent:
+    if cfg.nr != v_extent:   # more: the partial panel, in whole vectors
         v_outer, v = sch.split(v, [None, cfg.nr])
         outer.append(v_outer)
-    if tile or cfg.nr < v_extent:   # a predicated block refuses even a no-op reorder
+    if tile or cfg.nr != v_extent:   # a predicated block refuses even a no-op reorder
         sch.reorder(*outer, t_outer, *tile, t, v)
     return [*outer, t_outer]
 
@@ -355,19 +402,15 @@ def _staged_source(func):
     return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
 
 
-def _whole_tiles(func, mr, nr, lanes):
-    """(``func`` with the ``acc`` stage computed over whole ``mr x nr`` tiles, whether its
-    columns are whole too). The register-tile dim is rounded up to ``mr`` (the extra rows read
-    the last real row: clamped, in bounds) and the vector dim to ``nr`` where every source
-    read stays inside its buffer (a blocked layout's padding), so the hot loop has no
-    predicated tail; only the destination stage, outside the reduction, keeps the predicate.
-    Where the sources end inside the last tile (63 blocks of 16 columns in 32-column tiles),
-    its extra vectors read the sources' last vector again (``_last_vector``): a two-vector
-    tile then still covers an odd number of vectors. ``acc`` is the kernel's own scratch: what
-    the extra rows and columns hold is never stored."""
-    realizes = []
-    tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
-    realize = next(r for r in realizes if r.block.name_hint == "acc")
+def _whole_tiles(func, name, mr, nr):
+    """(``func`` with its stage ``name`` (an ``acc``) computed over whole ``mr x nr`` tiles,
+    whether its columns are whole too). The register-tile dim is rounded up to ``mr`` (the
+    extra rows read the last real row: clamped, in bounds) and the vector dim to ``nr`` where
+    every source read stays inside its buffer (a blocked layout's padding), so the hot loop
+    has no predicated tail; only the destination stage, outside the reduction, keeps the
+    predicate. The stage's buffer is the kernel's own scratch: what the extra rows and columns
+    hold is never stored."""
+    realize = _realize_of(func, name)
     blk = realize.block
     n_sp = sum(1 for iv in blk.iter_vars if int(iv.iter_type) == SPATIAL)
     acc_buf = blk.writes[0].source
@@ -376,35 +419,35 @@ def _whole_tiles(func, mr, nr, lanes):
     t, v = n_sp - 2, n_sp - 1
     new[t] = -(-ext[t] // mr) * mr
     new[v] = -(-ext[v] // nr) * nr
-    t_var, v_var = blk.iter_vars[t].var, blk.iter_vars[v].var
-    clamps = {t_var: tirx.min(t_var, ext[t] - 1)}
-    ana = None
-    body = _clamped(blk.body, acc_buf, clamps)
+    t_var = blk.iter_vars[t].var
+    clamp = tirx.min(t_var, ext[t] - 1)
+
+    def clamped(load):
+        if load.source.same_as(acc_buf):
+            return load
+        return tirx.BufferLoad(load.source, [tvm_ffi.structural_map(
+            i, (tirx.Var, lambda x: clamp if x.same_as(t_var) else x)) for i in load.indices])
+
+    body = tvm_ffi.structural_map(blk.body, (tvm.ir.expr.TensorLoad, clamped))
     if new[v] != ext[v] and not _in_bounds(blk, body, acc_buf, new):
-        last = _last_vector(v_var, ext[v], lanes) if nr % lanes == 0 else None
-        ana = _bound(blk, new)
-        if last is not None and _in_bounds(
-                blk, _clamped(blk.body, acc_buf, {**clamps, v_var: last}, ana), acc_buf, new):
-            clamps[v_var] = last
-            body = _clamped(blk.body, acc_buf, clamps, ana)
-        else:
-            new[v], ana = ext[v], None
+        new[v] = ext[v]
     whole = new[v] % nr == 0 or nr >= ext[v]
     if new == ext:
         return func, whole
     loop_ext = {realize.iter_values[d]: (ext[d], new[d]) for d in range(n_sp)
                 if new[d] != ext[d]}
     reads = [tirx.BufferRegion(r.source, [
-        tvm.ir.Range.from_min_extent(_substituted(x.min, clamps, ana), x.extent)
+        tvm.ir.Range.from_min_extent(tvm_ffi.structural_map(
+            x.min, (tirx.Var, lambda y: clamp if y.same_as(t_var) else y)), x.extent)
         for x in r.region]) if not r.source.same_as(acc_buf) else r for r in blk.reads]
     iter_vars = [tirx.IterVar(tvm.ir.Range(0, n), iv.var, iv.iter_type)
                  for iv, n in zip(blk.iter_vars, new)]
     blk = s_tir.SBlock(iter_vars, reads, blk.writes, blk.name_hint, body, blk.init,
                        blk.alloc_buffers, blk.match_buffers, blk.annotations)
-    grown = tirx.decl_buffer([*new[:n_sp]], str(acc_buf.ty.dtype), "acc")
+    grown = tirx.decl_buffer([*new[:n_sp]], str(acc_buf.ty.dtype), acc_buf.name)
 
     def swap_realize(r):
-        if r.block.name_hint == "acc":
+        if r.block.name_hint == name:
             return s_tir.SBlockRealize(r.iter_values, r.predicate, blk)
         return r
 
@@ -420,43 +463,111 @@ def _whole_tiles(func, mr, nr, lanes):
         whole
 
 
-def _last_vector(var, extent, lanes):
-    """``var`` with every vector past the last one that holds columns of ``extent`` mapped to
-    that last one: lanes stay consecutive, so the loads stay vector loads."""
-    return tirx.min(tirx.floordiv(var, lanes), -(-extent // lanes) - 1) * lanes \
-        + tirx.floormod(var, lanes)
+def _realize_of(func, name):
+    """The ``SBlockRealize`` of block ``name`` in ``func``."""
+    realizes = []
+    tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
+    return next(r for r in realizes if r.block.name_hint == name)
 
 
-def _bound(blk, extents) -> Analyzer:
-    """An analyzer that knows ``blk``'s iteration variables range over ``extents``."""
-    ana = Analyzer()
-    for iv, n in zip(blk.iter_vars, extents):
-        ana.bind(iv.var, tvm.ir.Range(0, n))
-    return ana
+def _cut(func, acc, dst, back, width, suffix):
+    """``func`` with stages ``acc`` and ``dst`` cut at ``width`` along their ``back``-th
+    spatial dim from the last: they keep the first ``width``; copies named with ``suffix``
+    take the rest, counting it from ``width``, into a scratch buffer of their own, so that
+    they are tiled apart (``_edge_parts`` says why)."""
+    root = func.body.block
+    stmts = list(root.body) if isinstance(root.body, tirx.SeqStmt) else [root.body]
+    acc_buf = _realize_of(func, acc).block.writes[0].source
+    shape = [int(x) for x in acc_buf.ty.shape]
+    d = len(shape) - back
+    edge_buf = tirx.decl_buffer([*shape[:d], shape[d] - width, *shape[d + 1:]],
+                                str(acc_buf.ty.dtype), acc_buf.name + suffix)
+    main, edge = [], []
+    for stmt in stmts:
+        realizes = []
+        tvm_ffi.structural_map(stmt, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
+        if any(r.block.name_hint in (acc, dst) for r in realizes):
+            main.append(_range(stmt, back, width))
+            edge.append(_range(stmt, back, width, suffix, {acc_buf: edge_buf}))
+        else:
+            main.append(stmt)
+    root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
+                        tirx.SeqStmt(main + edge), root.init, [*root.alloc_buffers, edge_buf],
+                        root.match_buffers, root.annotations)
+    return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
 
 
-def _substituted(expr, clamps, ana=None):
-    """``expr`` with the variables of ``clamps`` replaced, simplified by ``ana`` if given (so
-    that a clamped column's block and lane, ``(min(v // 16, 62) * 16 + v % 16) // 16``,
-    read as ``min(v // 16, 62)``)."""
-    out = tvm_ffi.structural_map(
-        expr, (tirx.Var, lambda x: next((c for k, c in clamps.items() if k.same_as(x)), x)))
-    return ana.simplify(out) if ana is not None else out
+def _range(nest, back, start, suffix=None, scratch=None):
+    """The loop nest ``nest`` (loops around one block) with its block's ``back``-th spatial dim
+    from the last cut: below ``start`` if ``suffix`` is None, else from ``start`` on, as a
+    copy (fresh variables, the block's name + ``suffix``) that counts that dim from ``start``
+    (every index and the block's predicate shifted by ``start``, but the indices of the
+    ``scratch`` buffers, which it swaps: ``{old: new}``)."""
+    realize = []
+    tvm_ffi.structural_map(nest, (s_tir.SBlockRealize, lambda r: realize.append(r) or r))
+    ivs = realize[0].block.iter_vars
+    d = sum(1 for iv in ivs if int(iv.iter_type) == SPATIAL) - back
+    loop_var, var, extent = realize[0].iter_values[d], ivs[d].var, int(ivs[d].dom.extent)
+    if suffix is not None:
+        loops = []
+        tvm_ffi.structural_map(nest, (tirx.For, lambda f: loops.append(f.loop_var) or f))
+        fresh = {x: tirx.Var(x.name, x.ty) for x in [*loops, *(iv.var for iv in ivs)]}
+        fresh.update(scratch)
+        nest = tvm_ffi.structural_map(
+            nest, (tirx.Var, lambda x: next((n for o, n in fresh.items() if o.same_as(x)), x)))
+        loop_var, var = fresh[loop_var], fresh[var]
+        nest = _shift(nest, var, start, list(scratch.values()))
+    n = start if suffix is None else extent - start
+
+    def loop(f):
+        if not f.loop_var.same_as(loop_var):
+            return f
+        return tirx.For(f.loop_var, f.min, n, f.kind, f.body, f.thread_binding, f.annotations)
+
+    def block(r):
+        b = r.block
+        iter_vars = [tirx.IterVar(tvm.ir.Range(0, n), iv.var, iv.iter_type)
+                     if iv.var.same_as(var) else iv for iv in b.iter_vars]
+        b = s_tir.SBlock(iter_vars, b.reads, b.writes, b.name_hint + (suffix or ""), b.body,
+                         b.init, b.alloc_buffers, b.match_buffers, b.annotations)
+        predicate = r.predicate if suffix is None else tvm_ffi.structural_map(
+            r.predicate, (tirx.Var, lambda x: x + start if x.same_as(loop_var) else x))
+        return s_tir.SBlockRealize(r.iter_values, predicate, b)
+
+    return tvm_ffi.structural_map(nest, [(tirx.For, loop), (s_tir.SBlockRealize, block)])
 
 
-def _clamped(body, acc_buf, clamps, ana=None):
-    """``body`` with the indices of its source reads (not of ``acc_buf``) clamped."""
+def _shift(nest, var, offset, keep):
+    """``nest`` with ``var`` read as ``var + offset`` in the indices and regions of every
+    buffer but those of ``keep``."""
+    def at(e):
+        return tvm_ffi.structural_map(e, (tirx.Var, lambda x: x + offset if x.same_as(var)
+                                          else x))
+
+    def kept(buf):
+        return any(buf.same_as(k) for k in keep)
+
     def load(l):
-        if l.source.same_as(acc_buf):
-            return l
-        return tirx.BufferLoad(l.source, [_substituted(i, clamps, ana) for i in l.indices])
+        return l if kept(l.source) else tirx.BufferLoad(l.source, [at(i) for i in l.indices])
 
-    return tvm_ffi.structural_map(body, (tvm.ir.expr.TensorLoad, load))
+    def store(st):
+        return st if kept(st.buffer) else tirx.BufferStore(st.buffer, st.value,
+                                                             [at(i) for i in st.indices])
+
+    def region(r):
+        return r if kept(r.source) else tirx.BufferRegion(r.source, [
+            tvm.ir.Range.from_min_extent(at(x.min), x.extent) for x in r.region])
+
+    return tvm_ffi.structural_map(nest, [(tvm.ir.expr.TensorLoad, load),
+                                         (tirx.BufferStore, store),
+                                         (tvm.ir.expr.TensorRegion, region)])
 
 
 def _in_bounds(blk, body, acc_buf, extents) -> bool:
     """Whether every source read of ``body`` stays inside its buffer over ``extents``."""
-    ana = _bound(blk, extents)
+    ana = Analyzer()
+    for iv, n in zip(blk.iter_vars, extents):
+        ana.bind(iv.var, tvm.ir.Range(0, n))
     loads = []
     tvm_ffi.structural_map(body, (tvm.ir.expr.TensorLoad, lambda l: loads.append(l) or l))
     for load in loads:

@@ -12,6 +12,7 @@ import blockpad as bp
 from blockpad.codegen.build import make_kernels
 from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
+from blockpad.runtime import machine
 from blockpad.schedules.x86_conv import RegisterTiled
 
 from .conftest import garbage
@@ -89,6 +90,34 @@ def libs(tmp_path_factory):
     return out
 
 
+# Shapes that whole AVX-512 tiles (8 x 32, 8 x 16 x 2 blocks) do not cover: the rule cuts the
+# last rows and columns off into kernels of their own, and peels k's tail off the unrolled loop.
+ODD_CASES = {
+    "mm_odd": {"op": "matmul", "shape": [19, 37], "n": 40, "src": "ab", "weights": "Ba16b",
+               "dst": "ab", "post_ops": [{"kind": "bias"}, RELU]},
+    "mm_odd_plain": {"op": "matmul", "shape": [19, 37], "n": 40, "src": "ab", "weights": "ba",
+                     "dst": "ab"},
+    "conv_ow_tail": CASES["ow_tail"],
+}
+HAVE_AVX512 = "avx512f" in machine.cpu_features()
+
+
+@pytest.fixture(scope="module")
+def avx512_libs(tmp_path_factory):
+    """The odd cases for AVX-512 under dst_fused, and under dst_stage (a predicated
+    destination stage: the valid plan)."""
+    if not HAVE_AVX512:
+        pytest.skip("this CPU has no avx512f")
+    out = {}
+    for policy in ("dst_fused", "dst_stage"):
+        d = tmp_path_factory.mktemp(f"avx512-{policy}")
+        spec = {"library": {"policy": policy},
+                "kernel": [{**entry, "name": n} for n, entry in ODD_CASES.items()]}
+        bp.build(parse_spec(spec), "avx512", d, log=lambda m: None)
+        out[policy] = bp.load(d)
+    return out
+
+
 # ---- numpy references -------------------------------------------------------------------------
 
 def conv_ref(x, w, stride=(1, 1), pad=(0, 0), dilation=(1, 1), groups=1):
@@ -157,7 +186,21 @@ def inputs(kernel, rng) -> dict:
 
 @pytest.mark.parametrize("policy,case", RUNS)
 def test_matches_numpy_and_keeps_the_padding_contract(libs, policy, case, rng):
-    kernel = libs[policy][case]
+    _check(libs[policy][case], CASES[case], policy, rng)
+
+
+@pytest.mark.parametrize("policy", ["dst_fused", "dst_stage"])
+@pytest.mark.parametrize("case", ODD_CASES)
+def test_avx512_odd_shapes_match_numpy(avx512_libs, policy, case, rng):
+    """Rows, columns and k that whole tiles and unrolled steps do not cover (19 x 37 x 40,
+    ow = 13): the cut-off rows and columns and the peeled k tail compute the right numbers
+    and store nothing outside the destination."""
+    _check(avx512_libs[policy][case], ODD_CASES[case], policy, rng)
+
+
+def _check(kernel, entry, policy, rng):
+    """Run ``kernel`` on random inputs (NaN in source padding under ``src``, a NaN-filled
+    destination with guards) and compare with the numpy reference and the padding contract."""
     contract = kernel.signature.padding
     arrays = inputs(kernel, rng)
     mems = []
@@ -175,19 +218,20 @@ def test_matches_numpy_and_keeps_the_padding_contract(libs, policy, case, rng):
     dst = bp.Memory.from_buffer(whole[GUARD:-GUARD], dst_layout)
     kernel(*mems, dst)
 
-    got, want = dst.to_numpy(), reference(CASES[case], arrays)
-    tolerance = {"float32": 1e-4, "float16": 2e-2}.get(CASES[case].get("dtype", "float32"))
+    got, want = dst.to_numpy(), reference(entry, arrays)
+    tolerance = {"float32": 1e-4, "float16": 2e-2}.get(entry.get("dtype", "float32"))
+    name = kernel.name
     if tolerance:
         np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
     else:
         np.testing.assert_array_equal(got, want)          # int32 accumulation is exact
     pad = whole[GUARD:-GUARD][dst_layout.padding_offsets()]
     if contract["dst_writes"] in ("full", "select") or contract["dst_stage"]:
-        assert np.all(pad == 0), f"{case}: destination padding not zeroed"
+        assert np.all(pad == 0), f"{name}: destination padding not zeroed"
     elif contract["dst_writes"] == "valid":
-        assert np.all(np.isnan(pad)), f"{case}: 'valid' kernel wrote the destination padding"
+        assert np.all(np.isnan(pad)), f"{name}: 'valid' kernel wrote the destination padding"
     assert np.all(np.isnan(whole[:GUARD])) and np.all(np.isnan(whole[-GUARD:])), \
-        f"{case}: wrote outside the destination buffer"
+        f"{name}: wrote outside the destination buffer"
 
 
 def test_staged_kernel_leaves_padding_to_its_zero_pad_stage(libs, rng):
@@ -301,16 +345,20 @@ def test_register_tiled_rule_leaves_other_ops():
     assert RegisterTiled().apply(relu[0].func, get_target("host")) is None
 
 
-@pytest.mark.parametrize("case", ["ow_tail", "blk8_7x7s2", "mm_inner_product", "u8_blocked"])
-def test_register_tiled_space_variants_all_compute_the_same(case, rng):
+@pytest.mark.parametrize("case,target", [
+    *((c, "host") for c in ["ow_tail", "blk8_7x7s2", "mm_inner_product", "u8_blocked"]),
+    pytest.param("mm_odd", "avx512", marks=pytest.mark.skipif(not HAVE_AVX512,
+                                                              reason="this CPU has no avx512f"))])
+def test_register_tiled_space_variants_all_compute_the_same(case, target, rng):
     """``space`` (MetaSchedule's design spaces): every variant is a complete schedule giving
     the numbers of the default one, which comes first and is ``apply``'s; tiles that do not
-    divide the destination (ow = 13, 7 x 7 stride 2 outputs, 7 matmul rows) included."""
+    divide the destination (ow = 13, 7 x 7 stride 2 outputs, 7 matmul rows, 19 x 40 cut into
+    four kernels) included."""
     import tvm
     import tvm_ffi
 
-    func = _kernels(CASES[case])[0].func
-    target = get_target("host")
+    func = _kernels({**CASES, **ODD_CASES}[case])[0].func
+    target = get_target(target)
     rule = RegisterTiled()
     space = rule.space(func, target)
     assert len(space) >= 3
@@ -340,3 +388,17 @@ def test_register_tiled_hot_loop_has_no_guards_or_tails():
     update = script[script.index('T.sblock("acc_update")'):script.index('T.sblock("dst")')]
     assert "T.if_then_else" not in update and "T.where" not in update
     assert 'T.sblock("src_pad")' in script
+
+
+def test_register_tiled_cuts_partial_tiles_off():
+    """19 x 37 x 40 on AVX-512 (8 x 32 tiles): the last 3 rows and 8 columns are tiled as
+    kernels of their own, so the main tiles read no clamped row and store no predicated
+    vector; k = 37 is unrolled by 16, its tail left to TVM's loop partitioning."""
+    sch = RegisterTiled().apply(_kernels(ODD_CASES["mm_odd"])[0].func, get_target("avx512"))
+    script = sch.mod["main"].script()
+    for part in ("acc_rows", "acc_cols", "acc_rows_cols"):
+        assert f'T.sblock("{part}_update")' in script
+    update = script[script.index('T.sblock("acc_update")'):script.index('T.sblock("dst")')]
+    main_dst = script[script.index('T.sblock("dst")'):script.index('T.sblock("acc_rows_init")')]
+    assert "T.min" not in update and "T.where" not in main_dst
+    assert "pragma_loop_partition_hint" in script and "T.unroll(16)" in script
