@@ -458,10 +458,11 @@ class FakeCudaTensor:
     backed by host memory that nothing here dereferences: enough to drive the runtime's argument
     path up to the launch without a GPU."""
 
+    _exported = []   # every DLManagedTensor handed out, with its owner
+
     def __init__(self, shape, dtype="float32", device=2, strides=None):
         self.array = np.zeros(shape, dtype)
         self.device = device
-        self._exported = []
         self._shape = (ctypes.c_int64 * len(shape))(*shape)
         self._strides = None if strides is None else (ctypes.c_int64 * len(shape))(*strides)
 
@@ -476,7 +477,10 @@ class FakeCudaTensor:
             ctypes.cast(self._shape, ctypes.POINTER(ctypes.c_int64)),
             None if self._strides is None else
             ctypes.cast(self._strides, ctypes.POINTER(ctypes.c_int64)), 0), None, None)
-        self._exported.append(tensor)   # each capsule points into its own; no deleter: ours
+        # no deleter: the struct, and the shape and memory it points to, are kept for the
+        # whole session: the runtime's tensors made from them may outlive this object (freed
+        # first, they crashed the garbage collector at exit)
+        self._exported.append((tensor, self))
         new = ctypes.pythonapi.PyCapsule_New
         new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
                                                         ctypes.c_void_p]
