@@ -259,7 +259,7 @@ for name in ARCHS:
 
 @pytest.mark.slow   # the first tensor-core schedule in a process imports TVM's intrinsics
 @pytest.mark.parametrize("target_name", list(ARCHS))
-def test_fp16_matmul_runs_on_tensor_cores(fp16_matmul, target_name, tmp_path):
+def test_fp16_matmul_runs_on_tensor_cores(fp16_matmul, target_name):
     source, fatbin, ptx = fp16_matmul[target_name]
     cc = ARCHS[target_name]
     assert "nvcuda::wmma::mma_sync" in source
@@ -268,9 +268,16 @@ def test_fp16_matmul_runs_on_tensor_cores(fp16_matmul, target_name, tmp_path):
     assert len(mma) >= 8, "expected the tensor-core MMA in the PTX"
     entries, _ = fatbin_entries(fatbin)
     assert {(1, cc), (2, cc)} <= set(entries)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cuobjdump() is None, reason="the SASS check needs cuobjdump and nvdisasm "
+                    "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm; .ci/run does)")
+@pytest.mark.parametrize("target_name", list(ARCHS))
+def test_fp16_matmul_sass_has_hmma(fp16_matmul, target_name, tmp_path):
+    _, fatbin, _ = fp16_matmul[target_name]
+    cc = ARCHS[target_name]
     tool = cuobjdump()
-    if tool is None:
-        return   # SASS check needs cuobjdump + nvdisasm (pip: nvidia-cuda-cuobjdump, -nvdisasm)
     (tmp_path / "k.fatbin").write_bytes(fatbin)
     sass = subprocess.run([tool[0], "-sass", str(tmp_path / "k.fatbin")], env=tool[1],
                           capture_output=True, text=True, timeout=120)
