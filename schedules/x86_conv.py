@@ -163,20 +163,25 @@ def _edge_parts(func, cfg: Config):
     """(``func``, its ``[(acc, dst, Config)]`` stage pairs to tile): ``acc`` and ``dst``, and
     where whole tiles leave some over, the rest cut off (``_cut``) as pairs of their own:
 
-    * the last, partial panel of columns (1000 = 31 x 32 + 8), tiled in whole vectors: tiled
-      with the others, its store is predicated per lane, and TVM scalarises a predicated vector
-      store, in every tile of the nest (~10% of the AVX-512 time at k = 511);
+    * the last, partial panel of columns (1000 = 31 x 32 + 8), tiled in whole vectors, where
+      it ends inside a vector or the sources do not extend to a whole panel: tiled with the
+      others, its store is predicated per lane, and TVM scalarises a predicated vector store,
+      in every tile of the nest (AVX-512: 7% of the time at 257 x 511 x 1023), or the tiles
+      fall back to one vector (25% at 1000^3). A panel that overhangs by whole vectors
+      (1000 = 62 x 16 + 8 on AVX2) keeps them: their predicate is the same for every lane, the
+      stores stay vector stores;
     * the last rows (257 = 32 x 8 + 1) of a tile taller than ``CLAMPED_ROWS``: tiled with the
       others, each row of a tile reads ``src[min(row, last)]``, an address of its own (not
       base + constant), and past 6 of them LLVM spills the unrolled loop (AVX-512, 8 x 32
-      tiles: 0.92x numpy at 257 rows, 1.15x at 264)."""
+      tiles: 0.92x numpy at 257 rows, 1.15x at 264; 6 x 32 tiles: as fast at 257 as at 258)."""
     parts = [("acc", "dst", cfg)]
     rows = _extent(func, "dst", 2)
     if cfg.mr > CLAMPED_ROWS and rows > cfg.mr and rows % cfg.mr:
         func = _cut(func, "acc", "dst", 2, rows // cfg.mr * cfg.mr, "_rows")
         parts.append(("acc_rows", "dst_rows", dataclasses.replace(cfg, mr=rows % cfg.mr)))
     cols = _extent(func, "dst", 1)
-    if cfg.nr < cols and cols % cfg.nr:
+    if cfg.nr < cols and cols % cfg.nr and (
+            cols % cfg.lanes or not _whole_tiles(func, "acc", cfg.mr, cfg.nr)[1]):
         for acc, dst, c in list(parts):
             func = _cut(func, acc, dst, 1, cols // cfg.nr * cfg.nr, "_cols")
             nr = -(-(cols % cfg.nr) // cfg.lanes) * cfg.lanes
