@@ -12,7 +12,8 @@ order, so a stage sees its predecessor's stores.
   ``T.where(is_padding)``, the ``valid``-region predicate of ``dst_stage`` and the tail of the
   split all end up in the one ``if`` that guards the thread's store.
 * ``Matmul`` (op ``matmul``): TVM's dlight GPU matmul, shared-memory tiling for fp32 and
-  tensor cores (``wmma`` 16x16x16, fp32 accumulation) for fp16 sources.
+  tensor cores (``wmma`` 16x16x16, fp32 accumulation) for fp16 and bf16 sources (bf16 through
+  ``cuda_bf16``: dlight's rule is fp16-only).
 * ``Fallback``: any other stage gets its spatial loops fused and bound the same way, its
   reduction loops running serially inside the thread. Correct for every op; slow for
   reductions (convolution, softmax and pooling have no CUDA rule of their own yet).
@@ -92,16 +93,25 @@ class KeptPredicates:
     """The block predicates of an unscheduled function (the ``valid`` plan's ``not
     is_padding`` on ``dst``), put back after scheduling: ``compute_at`` and
     ``reverse_compute_at`` give the moved block the predicate of its new loops only, and a
-    ``dst_stage`` kernel would then store into padding it promised to leave alone."""
+    ``dst_stage`` kernel would then store into padding it promised to leave alone. A predicated
+    block that was inlined into its producer (dlight's matmul inlines the ``dst`` epilogue into
+    its store from the accumulator) lends its predicate to the block that now stores its
+    buffer, through the store's indices: the predicated block stored at its own iter vars."""
 
     def __init__(self, func):
         self.by_block = {}
+        self.stores = {}   # block name -> (buffer it stores, its iter vars = the store indices)
 
         def record(realize):
-            if not _is_true(realize.predicate):
-                self.by_block[realize.block.name_hint] = _substitute(
-                    realize.predicate, dict(zip(realize.iter_values,
-                                                [iv.var for iv in realize.block.iter_vars])))
+            if _is_true(realize.predicate):
+                return
+            block = realize.block
+            ivs = [iv.var for iv in block.iter_vars]
+            self.by_block[block.name_hint] = _substitute(
+                realize.predicate, dict(zip(realize.iter_values, ivs)))
+            if isinstance(block.body, tirx.BufferStore) and len(block.body.indices) == len(ivs) \
+                    and all(i.same_as(v) for i, v in zip(block.body.indices, ivs)):
+                self.stores[block.name_hint] = (block.body.buffer, ivs)
 
         tvm_ffi.structural_walk(func, (s_tir.SBlockRealize, record))
 
@@ -116,9 +126,24 @@ class KeptPredicates:
         return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, drop))
 
     def restore(self, func):
-        """``func`` whose blocks each carry their original predicate (again)."""
+        """``func`` whose blocks each carry their original predicate (again), or the one of
+        the block inlined into them."""
+        names = set()
+        tvm_ffi.structural_walk(func, (s_tir.SBlock, lambda b: names.add(b.name_hint)))
+        inlined = [(buf, ivs, self.by_block[name]) for name, (buf, ivs) in self.stores.items()
+                   if name not in names]
+
+        def pred_of(block):
+            pred = self.by_block.get(block.name_hint)
+            if pred is not None or not isinstance(block.body, tirx.BufferStore):
+                return pred
+            for buf, ivs, inlined_pred in inlined:
+                if block.body.buffer.same_as(buf):
+                    return _substitute(inlined_pred, dict(zip(ivs, block.body.indices)))
+            return None
+
         def put(realize):
-            pred = self.by_block.get(realize.block.name_hint)
+            pred = pred_of(realize.block)
             if pred is None:
                 return realize
             pred = _substitute(pred, {iv.var: v for iv, v in zip(realize.block.iter_vars,
@@ -180,7 +205,7 @@ def _root_blocks(sch):
 class Matmul:
     """Matmul-shaped reductions (``C[m, n] += A[m, k] * B[k, n]`` in any layouts, blocked ones
     included: each operand is re-indexed to a plain matrix on its way to shared memory) with TVM's
-    dlight GPU matmul rule. fp16 sources with fp32 accumulation run on tensor cores (``wmma``:
+    dlight GPU matmul rule. fp16 and bf16 sources with fp32 accumulation run on tensor cores (``wmma``:
     16x16x16 fragments loaded from shared memory, ``mma.sync`` in the PTX, HMMA in the SASS),
     when each of M, N and K exceeds 64; otherwise, and for fp32, a shared-memory tiled kernel
     (8x16 threads, 4x4 outputs per thread, K in steps of 16). Non-multiples are padded. Returns
@@ -193,18 +218,22 @@ class Matmul:
             return None
         from tvm.s_tir import dlight
 
+        from .cuda_bf16 import tensor_core_matmul
+
         tvm_target = target.tvm_target()
+        kept = KeptPredicates(func)
         # scheduled over compact parameters; the layouts' strided ones are put back afterwards
-        aligned, restore = aligned_params(func, 64)
+        aligned, restore = aligned_params(kept.strip(func), 64)
         try:
-            with tvm_target:   # the first fp16 kernel imports TVM's CUDA intrinsics: ~30-60 s
-                sch = dlight.gpu.Matmul().apply(aligned, tvm_target, False)
+            with tvm_target:   # the first tensor-core kernel imports TVM's CUDA intrinsics: ~30-60 s
+                sch = (tensor_core_matmul(aligned, tvm_target)
+                       or dlight.gpu.Matmul().apply(aligned, tvm_target, False))
         except Exception:  # noqa: BLE001 - dlight asserts on shapes it does not handle
             return None
         if sch is None:
             return None
         _bind_all(sch)   # stages dlight left alone (an epilogue it could not inline)
-        return s_tir.Schedule(restore(sch.mod["main"]))
+        return s_tir.Schedule(kept.restore(restore(sch.mod["main"])))
 
 
 RULES = [Elementwise(), Matmul()]

@@ -229,60 +229,90 @@ def cuobjdump():
     return None
 
 
+BF16_MATMUL = {"op": "matmul", "dtype": "bfloat16", "shape": [200, 100], "n": 150,
+               "src": "AB16b16a", "weights": "ab", "dst": "ab"}   # no multiple of 16 but src
+
+
+def bf16_matmul_kernel():
+    """The matmul op's own bf16 kernel (uint16 bits in its arguments)."""
+    from blockpad.codegen.build import make_kernels
+
+    return make_kernels(parse_spec({"library": {"name": "x"},
+                                    "kernel": [{"name": "mm_bf16", **BF16_MATMUL}]}).kernels[0])[0]
+
+
 @pytest.fixture(scope="session")
-def fp16_matmul(tmp_path_factory):
-    """One tensor-core schedule (blocked src, so operands are re-indexed on their way to shared
-    memory), compiled for each arch. Scheduling imports TVM's CUDA tensor intrinsics, whose
-    TVMScript decorator calls inspect.stack() hundreds of times: under pytest's deep stacks that
-    takes minutes, in a fresh process about half a minute, so it runs in one."""
-    out = tmp_path_factory.mktemp("fp16")
+def tensor_core_matmuls(tmp_path_factory):
+    """Two tensor-core schedules, fp16 (blocked src, so operands are re-indexed on their way to
+    shared memory) and bf16 (odd shapes, padded), each compiled for each arch, keyed by
+    (dtype, arch). Scheduling imports TVM's CUDA tensor intrinsics, whose TVMScript decorator
+    calls inspect.stack() hundreds of times: under pytest's deep stacks that takes minutes, in
+    a fresh process about half a minute, so both run in one."""
+    out = tmp_path_factory.mktemp("tensor_cores")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = f"""
 import sys
 sys.path.insert(0, {root!r})
 from blockpad.codegen.targets import get_target
 from blockpad.schedules import schedule
-from tests.test_cuda import ARCHS, compile_cuda, matmul_kernel
-kernel = matmul_kernel("mm_f16", 256, 192, 128, "float16", ("AB16b16a", "ab", "ab"))
-func = schedule(kernel.func, get_target("cuda-sm80"))
-for name in ARCHS:
-    source, fatbin, ptx = compile_cuda(func, "mm_f16", name)
-    open({str(out)!r} + f"/{{name}}.cu", "w").write(source)
-    open({str(out)!r} + f"/{{name}}.fatbin", "wb").write(fatbin)
-    open({str(out)!r} + f"/{{name}}.ptx", "w").write(ptx)
+from tests.test_cuda import ARCHS, bf16_matmul_kernel, compile_cuda, matmul_kernel
+kernels = {{"float16": matmul_kernel("mm_f16", 256, 192, 128, "float16", ("AB16b16a", "ab", "ab")),
+           "bfloat16": bf16_matmul_kernel()}}
+for dtype, kernel in kernels.items():
+    func = schedule(kernel.func, get_target("cuda-sm80"))
+    open({str(out)!r} + f"/{{dtype}}.params", "w").write(" ".join(str(p.dtype) for p in func.params))
+    for name in ARCHS:
+        source, fatbin, ptx = compile_cuda(func, "mm", name)
+        open({str(out)!r} + f"/{{dtype}}-{{name}}.cu", "w").write(source)
+        open({str(out)!r} + f"/{{dtype}}-{{name}}.fatbin", "wb").write(fatbin)
+        open({str(out)!r} + f"/{{dtype}}-{{name}}.ptx", "w").write(ptx)
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {name: ((out / f"{name}.cu").read_text(), (out / f"{name}.fatbin").read_bytes(),
-                   (out / f"{name}.ptx").read_text()) for name in ARCHS}
+    return {(dtype, name): ((out / f"{dtype}-{name}.cu").read_text(),
+                            (out / f"{dtype}-{name}.fatbin").read_bytes(),
+                            (out / f"{dtype}-{name}.ptx").read_text(),
+                            (out / f"{dtype}.params").read_text().split())
+            for dtype in ("float16", "bfloat16") for name in ARCHS}
+
+
+TENSOR_CORES = {   # dtype: (wmma mma in the PTX, HMMA in the SASS)
+    "float16": (r"m16n16k16\.f32\.f32", "HMMA.16816.F32"),
+    "bfloat16": (r"m16n16k16\.f32\.bf16\.bf16\.f32", "HMMA.16816.F32.BF16"),
+}
 
 
 @pytest.mark.slow   # the first tensor-core schedule in a process imports TVM's intrinsics
+@pytest.mark.parametrize("dtype", list(TENSOR_CORES))
 @pytest.mark.parametrize("target_name", list(ARCHS))
-def test_fp16_matmul_runs_on_tensor_cores(fp16_matmul, target_name):
-    source, fatbin, ptx = fp16_matmul[target_name]
+def test_matmul_runs_on_tensor_cores(tensor_core_matmuls, dtype, target_name):
+    source, fatbin, ptx, params = tensor_core_matmuls[dtype, target_name]
     cc = ARCHS[target_name]
     assert "nvcuda::wmma::mma_sync" in source
     assert re.search(rf"^\.target sm_{cc}$", ptx, re.M)
-    mma = re.findall(r"^\s*wmma\.mma\.sync\.aligned\.row\.col\.m16n16k16\.f32\.f32", ptx, re.M)
+    mma = re.findall(rf"^\s*wmma\.mma\.sync\.aligned\.row\.col\.{TENSOR_CORES[dtype][0]}",
+                     ptx, re.M)
     assert len(mma) >= 8, "expected the tensor-core MMA in the PTX"
     entries, _ = fatbin_entries(fatbin)
     assert {(1, cc), (2, cc)} <= set(entries)
+    if dtype == "bfloat16":   # bf16 stays uint16 bits in the arguments, as everywhere
+        assert params == ["uint16", "uint16", "float32"]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(cuobjdump() is None, reason="the SASS check needs cuobjdump and nvdisasm "
                     "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm; .ci/run does)")
+@pytest.mark.parametrize("dtype", list(TENSOR_CORES))
 @pytest.mark.parametrize("target_name", list(ARCHS))
-def test_fp16_matmul_sass_has_hmma(fp16_matmul, target_name, tmp_path):
-    _, fatbin, _ = fp16_matmul[target_name]
+def test_matmul_sass_has_hmma(tensor_core_matmuls, dtype, target_name, tmp_path):
+    _, fatbin, _, _ = tensor_core_matmuls[dtype, target_name]
     cc = ARCHS[target_name]
     tool = cuobjdump()
     (tmp_path / "k.fatbin").write_bytes(fatbin)
     sass = subprocess.run([tool[0], "-sass", str(tmp_path / "k.fatbin")], env=tool[1],
                           capture_output=True, text=True, timeout=120)
     assert sass.returncode == 0, sass.stderr
-    assert f"code for sm_{cc}" in sass.stdout and "HMMA.16816.F32" in sass.stdout
+    assert f"code for sm_{cc}" in sass.stdout and TENSOR_CORES[dtype][1] in sass.stdout
 
 
 def test_fp32_matmul_tiles_through_shared_memory():
@@ -305,6 +335,34 @@ def test_fallback_binds_any_kernel():
     sch = cuda.Fallback().apply(kernel.func, get_target("cuda-sm80"))
     source, _, ptx = compile_cuda(sch.mod["main"], "mm_any", "cuda-sm80")
     assert source.count("__global__") >= 2 and ".target sm_80" in ptx
+
+
+def test_dst_stage_matmul_keeps_its_predicate():
+    """dst_stage: output columns 100..111 of the last aB16b block are padding the kernel must
+    leave alone. dlight inlines the ``dst`` stage (and its ``T.where``) into its store from the
+    accumulator, whose own predicate bounds only dlight's tile; KeptPredicates puts it back.
+    Checked in the TIR and by running the schedule serially on the CPU with garbage in dst."""
+    import tvm
+
+    from blockpad.codegen.build import make_kernels
+    from blockpad.codegen.targets import get_target
+    from blockpad.schedules import schedule
+
+    spec = parse_spec({"library": {"name": "x"}, "kernel": [
+        {"name": "mm_stage", "op": "matmul", "shape": [100, 50], "n": 100, "src": "ab",
+         "weights": "ab", "dst": "aB16b", "policy": "dst_stage"}]})
+    kernel = make_kernels(spec.kernels[0])[0]
+    func = schedule(kernel.func, get_target("cuda-sm80"))
+    text = func.script()
+    assert 'T.sblock("dst")' not in text and "acc_reindex_pad_local" in text   # dlight's rule
+    assert re.search(r"T\.where\(.* and not .*>= 100\)", text)
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal([int(x) for x in p.shape]).astype(str(p.dtype))
+            for p in kernel.func.params]
+    expected = [a.copy() for a in args]
+    run_serially(func)(*args)
+    tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"](*expected)
+    np.testing.assert_allclose(args[-1], expected[-1], rtol=1e-5, atol=1e-5)   # padding too
 
 
 # ---- convolution, softmax, pooling: their own CUDA rules ---------------------------------------
