@@ -163,17 +163,17 @@ def _edge_parts(func, cfg: Config):
     """(``func``, its ``[(acc, dst, Config)]`` stage pairs to tile): ``acc`` and ``dst``, and
     where whole tiles leave some over, the rest cut off (``_cut``) as pairs of their own:
 
+    * the last rows (257 = 32 x 8 + 1) of a tile taller than ``CLAMPED_ROWS``: tiled with the
+      others, each row of a tile reads ``src[min(row, last)]``, an address of its own (not
+      base + constant), and past 6 of them LLVM spills the unrolled loop (AVX-512, 8 x 32
+      tiles: 0.92x numpy at 257 rows, 1.15x at 264; 6 x 32 tiles: as fast at 257 as at 258);
     * the last, partial panel of columns (1000 = 31 x 32 + 8), tiled in whole vectors, where
       it ends inside a vector or the sources do not extend to a whole panel: tiled with the
       others, its store is predicated per lane, and TVM scalarises a predicated vector store,
       in every tile of the nest (AVX-512: 7% of the time at 257 x 511 x 1023), or the tiles
       fall back to one vector (25% at 1000^3). A panel that overhangs by whole vectors
       (1000 = 62 x 16 + 8 on AVX2) keeps them: their predicate is the same for every lane, the
-      stores stay vector stores;
-    * the last rows (257 = 32 x 8 + 1) of a tile taller than ``CLAMPED_ROWS``: tiled with the
-      others, each row of a tile reads ``src[min(row, last)]``, an address of its own (not
-      base + constant), and past 6 of them LLVM spills the unrolled loop (AVX-512, 8 x 32
-      tiles: 0.92x numpy at 257 rows, 1.15x at 264; 6 x 32 tiles: as fast at 257 as at 258)."""
+      stores stay vector stores."""
     parts = [("acc", "dst", cfg)]
     rows = _extent(func, "dst", 2)
     if cfg.mr > CLAMPED_ROWS and rows > cfg.mr and rows % cfg.mr:
@@ -258,7 +258,7 @@ def _tile_loops(sch, dst, cfg: Config, u) -> list:
         outer[u], u_inner = sch.split(outer[u], [None, cfg.mu])
         tile.append(u_inner)
     t_outer, t = sch.split(t, [None, cfg.mr])
-    if cfg.nr != v_extent:   # more: the partial panel, in whole vectors
+    if cfg.nr != v_extent:   # nr > v_extent: a cut-off partial panel, in whole vectors
         v_outer, v = sch.split(v, [None, cfg.nr])
         outer.append(v_outer)
     if tile or cfg.nr != v_extent:   # a predicated block refuses even a no-op reorder
