@@ -40,7 +40,7 @@ from tvm import s_tir
 from .common import op_of
 from .cuda import KeptPredicates, aligned_params, bind_spatial, loop_depth, pow2_above, uses
 from .generic import root_blocks
-from .x86_conv import _staged_source   # not x86-specific: a candidate for a shared module
+from .halo import staged_source
 
 _IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 THREADS = 256             # most threads in a block
@@ -56,7 +56,7 @@ class DirectConv:
         # scheduled over compact parameters (the shared tiles copy a parameter's declaration,
         # symbolic element offset included); the layouts' own ones are put back afterwards
         kept = KeptPredicates(func)
-        compact, restore = aligned_params(kept.strip(_staged_source(func)), 16)
+        compact, restore = aligned_params(kept.strip(staged_source(func)), 16)
         sch = s_tir.Schedule(compact)
         try:
             if not _conv(sch):

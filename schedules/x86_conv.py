@@ -18,7 +18,7 @@ micro-kernel is the classic one (oneDNN's jit convolutions, BLIS):
   on the registers;
 * no guard or predicate in the hot loop: spatial padding fused into the reads (``if_then_else``
   per broadcast) is staged into a zero-haloed copy of the source, a stage of the kernel
-  (``_staged_source``: one pass over the source against a branch per FMA pair), and a tile that
+  (``halo.staged_source``: one pass over the source against a branch per FMA pair), and a tile that
   overhangs its dim is computed whole (``_whole_tiles``: rows past the end read the last row,
   columns past the end read the blocked layout's padding); only the destination store is
   predicated. Where that costs (a partial last panel of columns: TVM scalarises its predicated
@@ -48,14 +48,14 @@ from dataclasses import dataclass
 
 import tvm
 import tvm_ffi
-from tvm import s_tir, te, tirx
+from tvm import s_tir, tirx
 from tvm.sym.analyzer import Analyzer
 
 from .common import op_of, vector_lanes
+from .halo import staged_source
 from .generic import root_blocks, spatial_parallel_vectorize
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
-_IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 SPATIAL, REDUCE = 0, 2   # IterVar types
 UNROLL = 16        # the innermost reduction loop is unrolled up to this many steps
 CLAMPED_ROWS = 6   # the most rows of a tile that may read a clamped row (``_edge_parts``)
@@ -138,7 +138,7 @@ def _schedule(func, target, cfg: Config, tails=False):
     hot loop (columns past the end that no source pads, which TVM scalarises) unless
     ``tails``, or where a primitive refuses the nest. Rows and columns that whole tiles do not
     cover are, where that pays, kernels of their own (``_edge_parts``)."""
-    func, parts = _edge_parts(_staged_source(_unpredicated(func, "acc")), cfg)
+    func, parts = _edge_parts(staged_source(_unpredicated(func, "acc")), cfg)
     whole = True
     for i, (acc, dst, c) in enumerate(parts):
         func, part_whole = _whole_tiles(func, acc, c.mr, c.nr)
@@ -329,84 +329,6 @@ def _vectors(sch, loop, lanes):
     sch.vectorize(loop)
 
 
-def _staged_source(func):
-    """``func`` with the guarded reads of its convolution window (``if_then_else(in_image,
-    src[...], 0)``, spatial padding fused) taken from a copy of the source with a zero halo,
-    made by a stage of the kernel: the guards cost a branch per broadcast element in the hot
-    loop; the copy costs one pass over the source. Only guards that are exactly the buffer's
-    bounds are staged (a ``masked`` read of channel padding stays a guard), so the numbers do
-    not change. ``func`` itself if it has no such reads."""
-    realizes = []
-    tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
-    acc = next((r.block for r in realizes if r.block.name_hint == "acc"), None)
-    if acc is None:
-        return func
-    calls = []
-    tvm_ffi.structural_map(acc.body, (tvm.ir.expr.Call, lambda c: calls.append(c) or c))
-    guarded = [c for c in calls if c.op.same_as(_IF_THEN_ELSE) and _is_load(c.args[1])
-               and _is_zero(c.args[2])]
-    params = list(func.params)
-    if len(guarded) != 1 or not any(guarded[0].args[1].source.same_as(p) for p in params):
-        return func
-    cond, load = guarded[0].args[0], guarded[0].args[1]
-    buf, idx = load.source, list(load.indices)
-    shape = [int(s) for s in buf.ty.shape]
-    ana = Analyzer()
-    for iv in acc.iter_vars:
-        ana.bind(iv.var, iv.dom)
-    lo, hi = [0] * len(shape), [0] * len(shape)
-    for term in _conjuncts(cond):
-        side = _bound_side(ana, term, idx, shape)
-        if side is None:
-            return func
-        d, upper = side
-        b = ana.const_int_bound(idx[d])
-        if upper:
-            hi[d] = max(hi[d], b.max_value - shape[d] + 1)
-        else:
-            lo[d] = max(lo[d], -b.min_value)
-    padded = [s + a + b for s, a, b in zip(shape, lo, hi)]
-    dtype = str(buf.ty.dtype)
-    ph = te.placeholder(shape, dtype, "src")
-
-    def value(*p):
-        inside = [tirx.all(p[d] >= lo[d], p[d] < lo[d] + shape[d])
-                  for d in range(len(shape)) if lo[d] or hi[d]]
-        return tirx.if_then_else(tirx.all(*inside), ph(*[x - a for x, a in zip(p, lo)]),
-                                 tirx.const(0, dtype))
-
-    stage_func = te.create_prim_func([ph, te.compute(padded, value, name="src_pad")])
-    staged = tirx.decl_buffer(padded, dtype, "src_pad")
-    rename = {stage_func.params[0]: buf, stage_func.params[1]: staged}
-    stage = tvm_ffi.structural_map(
-        stage_func.body.block.body,
-        (tirx.Var, lambda v: next((n for o, n in rename.items() if o.same_as(v)), v)))
-    shifted = tirx.BufferLoad(staged, [x + a for x, a in zip(idx, lo)])
-
-    def swap_call(c):
-        return shifted if c.same_as(guarded[0]) else c
-
-    def swap_block(realize):
-        blk = realize.block
-        if blk.name_hint != "acc":
-            return realize
-        body = tvm_ffi.structural_map(blk.body, (tvm.ir.expr.Call, swap_call))
-        reads = [tirx.BufferRegion(staged, [tvm.ir.Range.from_min_extent(r.min + a, r.extent)
-                                            for r, a in zip(reg.region, lo)])
-                 if reg.source.same_as(buf) else reg for reg in blk.reads]
-        blk = s_tir.SBlock(blk.iter_vars, reads, blk.writes, blk.name_hint, body, blk.init,
-                           blk.alloc_buffers, blk.match_buffers, blk.annotations)
-        return s_tir.SBlockRealize(realize.iter_values, realize.predicate, blk)
-
-    body = tvm_ffi.structural_map(func.body.block.body, (s_tir.SBlockRealize, swap_block))
-    root = func.body.block
-    stmts = list(body) if isinstance(body, tirx.SeqStmt) else [body]
-    root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
-                        tirx.SeqStmt([stage, *stmts]), root.init,
-                        [*root.alloc_buffers, staged], root.match_buffers, root.annotations)
-    return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
-
-
 def _whole_tiles(func, name, mr, nr):
     """(``func`` with its stage ``name`` (an ``acc``) computed over whole ``mr x nr`` tiles,
     whether its columns are whole too). The register-tile dim is rounded up to ``mr`` (the
@@ -583,30 +505,6 @@ def _in_bounds(blk, body, acc_buf, extents) -> bool:
             if b.min_value < 0 or b.max_value >= int(n):
                 return False
     return True
-
-
-def _conjuncts(cond):
-    if isinstance(cond, tirx.And):
-        return _conjuncts(cond.a) + _conjuncts(cond.b)
-    return [cond]
-
-
-def _bound_side(ana, term, idx, shape):
-    """``(d, upper)`` if ``term`` is ``idx[d] < shape[d]`` (upper) or ``idx[d] >= 0``."""
-    t = ana.simplify(term)
-    for d, x in enumerate(idx):
-        for upper, bound in ((False, x >= 0), (True, x < shape[d])):
-            if tvm_ffi.structural_equal(t, ana.simplify(bound)):
-                return d, upper
-    return None
-
-
-def _is_load(e):
-    return isinstance(e, tvm.ir.expr.TensorLoad)
-
-
-def _is_zero(e):
-    return isinstance(e, (tirx.IntImm, tirx.FloatImm)) and e.value == 0
 
 
 def _unpredicated(func, name):
