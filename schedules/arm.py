@@ -11,13 +11,17 @@
 * int8 convolution and matmul on ``neon-dotprod``: ``Sdot``, register tiles of ``sdot`` when
   the weights come in 4 x 4 blocks (``BA4b4a``, ``OIhw4o4i``), with padding, strides and odd
   sizes (schedules/dot_tiled.py, shared with x86's ``vpdpbusd``).
+* fp32 convolution and matmul, and int8 where there is no ``sdot``: x86's ``RegisterTiled``
+  (schedules/x86_conv.py), which reads loops and index expressions only: register tiles of
+  4-lane accumulators fed by by-element ``fmla`` (``target.tile_registers``: 20 of the 32 q
+  registers), the halo staged out of the hot loop.
 * Anything else: ``generic.Fallback`` (schedules/__init__.py), after ``vector_math`` where the
   kernel calls exp/erf/tanh/sigmoid (``vector_math.VectorMath``).
 """
 
 from __future__ import annotations
 
-from . import x86
+from . import x86, x86_conv
 from .dot_tiled import DotTiled
 from .elementwise import Elementwise
 from .vector_math import VectorMath, vector_math
@@ -49,4 +53,4 @@ class Sdot(DotTiled):
         return register()
 
 
-RULES = [x86.DataMovement(), Elementwise(), Sdot(), VectorMath()]
+RULES = [x86.DataMovement(), Elementwise(), Sdot(), x86_conv.RegisterTiled(), VectorMath()]

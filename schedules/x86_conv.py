@@ -115,7 +115,7 @@ class RegisterTiled:
             return []
         t_extent, v_extent, dtype, predicated, u_extent = shape
         lanes = vector_lanes(target, dtype)
-        regs = 32 if "avx512f" in target.features else 16
+        regs = target.tile_registers
         widths = [v_extent] if predicated else _tile_widths(v_extent, lanes)
         out = []
         for nr in widths:

@@ -24,7 +24,7 @@ from blockpad.bench import isa
 from blockpad.testing import qemu
 
 from .conftest import asm_functions, dot_inputs, garbage, kernel_instructions, random_array
-from .reference import dot_reference
+from .reference import REFERENCES, dot_reference
 
 MISSING = qemu.missing_tools()
 pytestmark = pytest.mark.skipif(
@@ -40,6 +40,8 @@ def _eltwise(algorithm, policy, tag="nChw4c", shape=SHAPE):
             "dst": tag, "algorithm": algorithm, "policy": policy}
 
 
+_CONV_F32 = {"op": "conv2d", "kernel": [3, 3], "src": "nChw4c", "weights": "OIhw4i4o",
+             "dst": "nChw4c"}
 SPEC = {
     "library": {"name": "test-neon"},
     "kernel": [
@@ -71,9 +73,28 @@ SPEC = {
         {"name": "mul_bcast_src", "op": "binary", "shape": [1, 30, 5, 7], "shape1": [1, 30, 1, 1],
          "src0": "nChw8c", "src1": "nChw8c", "dst": "nChw8c", "algorithm": "mul",
          "policy": "src"},
-        # int8 on plain NEON: no sdot there (Armv8.0 lacks it), the generic schedule
+        # int8 on plain NEON: no sdot there (Armv8.0 lacks it), widening multiply-adds
         {"name": "mm_s8", "op": "matmul", "dtype": "int8", "shape": [6, 64], "n": 32,
          "src": "ab", "weights": "BA4b4a", "dst": "ab"},
+        # fp32 convolution and matmul (register tiles of fmla), softmax and pooling on awkward
+        # channel counts, spatial padding, strides, odd matmul sizes, every padding policy
+        {"name": "conv_f32_pad_bias", **_CONV_F32, "shape": [1, 30, 5, 7], "channels": 10,
+         "pad": [1, 1], "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]},
+        {"name": "conv_f32_8c_stride", **_CONV_F32, "shape": [1, 30, 7, 9], "channels": 12,
+         "pad": [1, 1], "stride": [2, 2], "src": "nChw8c", "weights": "OIhw8i8o",
+         "dst": "nChw8c"},
+        *[{"name": f"conv_f32_{p}", **_CONV_F32, "shape": [1, 30, 4, 5], "channels": 10,
+           "pad": [1, 1], "policy": p} for p in ("dst_stage", "src")],
+        {"name": "mm_f32_odd", "op": "matmul", "shape": [7, 18], "n": 13, "src": "ab",
+         "weights": "Ba4b", "dst": "ab", "post_ops": [{"kind": "bias"}]},
+        *[{"name": f"softmax_{p}", "op": "softmax", "shape": SHAPE, "src": "nChw4c",
+           "dst": "nChw4c", "policy": p} for p in POLICIES],
+        {"name": "log_softmax", "op": "softmax", "shape": SHAPE, "src": "nChw8c",
+         "dst": "nChw8c", "log": True},
+        *[{"name": f"pool_{a}_{p}", "op": "pool", "shape": SHAPE, "src": "nChw4c",
+           "dst": "nChw4c", "algorithm": a, "kernel": [3, 3], "stride": [2, 2], "pad": [1, 1],
+           "policy": p} for a, p in (("max", "dst_fused"), ("avg", "dst_stage"),
+                                     ("max", "src"))],
     ],
 }
 
@@ -325,15 +346,15 @@ def test_exp_covers_the_whole_fp32_range(neon_dir):
     np.testing.assert_allclose(y, want, rtol=1e-6)
 
 
-def _int8_calls(lib, rng):
-    """For every matmul / conv of a library: its call (full-range s8 inputs, a unit scale so
-    that the float destination is the int32 accumulator, NaN in the destination, garbage in
-    source padding the kernel promises to mask) and its destination zero-pad stage where the
-    policy has one; and per kernel the numpy result and what its destination padding must
-    hold."""
+def _dot_calls(lib, rng, dtype):
+    """For every matmul / conv of ``dtype`` in a library: its call (full-range integer inputs
+    with a unit scale, so that the float destination is the int32 accumulator; NaN in the
+    destination, garbage in source padding the kernel promises to mask) and its destination
+    zero-pad stage where the policy has one; and per kernel the numpy result and what its
+    destination padding must hold."""
     calls, checks = [], []
     for name, sig in lib.items():
-        if sig.op not in ("matmul", "conv2d"):
+        if sig.op not in ("matmul", "conv2d") or sig.args[0][2].dtype != dtype:
             continue
         args = dot_inputs(sig, rng)
         calls.append((name, [args[a[0]] for a in sig.args]))
@@ -345,17 +366,54 @@ def _int8_calls(lib, rng):
     return calls, checks
 
 
-def _check_int8(checks):
-    """Exact: the unit-scale destination is the int32 sum (integers below 2**24 are exact in
-    float32), bias and relu rounded once, as numpy rounds them."""
+def _check(checks, exact=True):
+    """Exact for int8: the unit-scale destination is the int32 sum (integers below 2**24 are
+    exact in float32), bias and relu rounded once, as numpy rounds them. fp32: the summation
+    order differs from numpy's float64."""
     for name, want, dst, padding in checks:
         got = dst.to_numpy()
-        np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=name)
+        if exact:
+            np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=name)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
         pad = _padding(dst)
         if padding == "zero":
             assert np.all(pad == 0), f"{name}: destination padding not zero"
         elif padding == "untouched":
             assert np.all(np.isnan(pad)), f"{name}: wrote the padding it promised to leave alone"
+
+
+def test_fp32_conv_and_matmul_are_register_tiles_of_fmla(neon_lib, neon_asm):
+    """Each step of the reduction: a few loads feed many fmla (a register tile of 4-lane
+    accumulators), not one fmla per loaded weight vector, and little spills. (A 7-row tile
+    whose 3x3 window LLVM unrolls whole spills a few source vectors: 9 of 132 instructions.)"""
+    names = [n for n, sig in neon_lib.items()
+             if sig.op in ("conv2d", "matmul") and sig.args[0][2].dtype == "float32"]
+    assert len(names) == 5
+    for name in names:
+        where, m = isa.hot_loop(neon_asm, name, "aarch64")
+        assert where == "loop" and m["spills"] <= m["dot"] / 8 and m["dot"] >= 1.5 * m["loads"], \
+            (name, m)
+
+
+def test_fp32_conv_matmul_softmax_pool_match_numpy_under_each_policy(neon_dir, neon_lib, rng):
+    calls, checks = _dot_calls(neon_lib, rng, "float32")
+    entries = {k.get("name"): k for k in SPEC["kernel"]}
+    for name, sig in neon_lib.items():
+        if sig.op not in ("softmax", "pool"):
+            continue
+        (_, _, src_l, _), (_, _, dst_l, _) = sig.args
+        src = _source(src_l, rng, dirty_padding=sig.padding["reads"] == "masked")
+        dst = _fill_dst(dst_l)
+        calls.append((name, [src, dst]))
+        stage = sig.padding.get("dst_stage")
+        if stage:
+            calls.append((stage, [dst]))
+        want = REFERENCES[sig.op](entries[name], src.to_numpy())
+        checks.append((name, want, dst, _expected_padding(sig.padding, bool(stage))))
+    assert len(checks) == 5 + 4 + 3
+    qemu.run_many(neon_dir, calls)
+    _check(checks, exact=False)
 
 
 def _sdot_hot_loop(funcs, name) -> dict:
@@ -374,9 +432,9 @@ def _sdot_hot_loop(funcs, name) -> dict:
 
 def test_int8_matmul_without_dotprod_uses_no_sdot(neon_dir, neon_lib, neon_asm, rng):
     assert not any(i.startswith("sdot") for i in kernel_instructions(neon_asm, "mm_s8"))
-    calls, checks = _int8_calls(neon_lib, rng)
+    calls, checks = _dot_calls(neon_lib, rng, "int8")
     qemu.run_many(neon_dir, calls)
-    _check_int8(checks)
+    _check(checks)
 
 
 def test_int8_matmul_and_conv_run_on_sdot(dotprod_dir, dotprod_lib, dotprod_asm):
@@ -394,11 +452,11 @@ def test_int8_matmul_and_conv_run_on_sdot(dotprod_dir, dotprod_lib, dotprod_asm)
 
 
 def test_int8_sdot_kernels_match_numpy_exactly_under_each_policy(dotprod_dir, dotprod_lib, rng):
-    calls, checks = _int8_calls(dotprod_lib, rng)
+    calls, checks = _dot_calls(dotprod_lib, rng, "int8")
     policies = {dotprod_lib[name].padding["policy"] for name, *_ in checks}
     assert set(POLICIES) <= policies
     qemu.run_many(dotprod_dir, calls)
-    _check_int8(checks)
+    _check(checks)
 
 
 def test_the_shared_object_holds_neon_code(neon_dir, dotprod_dir):
