@@ -61,6 +61,23 @@ def threaded_copy(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor, pa
     return run
 
 
+# Two thread pools share the cores: TVM's workers and PyTorch's OpenMP team both spin after
+# their work by default, and whichever ran last then steals the cores from the other (measured
+# here: PyTorch 40x slower right after a blockpad call on 2 threads). Both are told to sleep.
+QUIET_POOLS = {"TVM_THREAD_POOL_SPIN_COUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def quiet_thread_pools(threads: int | None = None) -> None:
+    """Set, before either thread pool starts, the thread count (if given) and ``QUIET_POOLS``
+    (unless the caller set them)."""
+    import os
+
+    if threads:
+        os.environ["TVM_NUM_THREADS"] = str(threads)
+    for k, v in QUIET_POOLS.items():
+        os.environ.setdefault(k, v)
+
+
 def native_target() -> str:
     """The widest CPU target this machine runs: PyTorch picks its kernels' ISA at run time
     (AVX-512 where the CPU has it), so a fair comparison builds blockpad for the same."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import interleaved, table
+from .common import QUIET_POOLS, interleaved, table
 
 SPEC = Path(__file__).resolve().parents[2] / "examples" / "bench_host.toml"
 BUILD = Path("build")
@@ -57,8 +57,7 @@ def main(what="conv", repeat=5, threads=None, quick=False, png=None):
     results = []
     for n in counts:
         env = {**os.environ, "TVM_NUM_THREADS": str(n), "OMP_NUM_THREADS": str(n),
-               "OPENBLAS_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n),
-               "TVM_THREAD_POOL_SPIN_COUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}
+               "OPENBLAS_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n), **QUIET_POOLS}
         cmd = [sys.executable, "-m", "blockpad.bench.conv", what, json.dumps(dirs),
                str(repeat), str(int(quick))]
         proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)

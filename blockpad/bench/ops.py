@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from .common import interleaved, native_target, table
+from .common import interleaved, native_target, quiet_thread_pools, table
 
 HW = 56
 OPS = {   # name -> spec fields (src/dst nChw16c)
@@ -38,8 +38,7 @@ def _spec(channels):
 
 
 def main(repeat=7, threads=None, target=None, out_dir="build/bench-ops"):
-    if threads:
-        os.environ["TVM_NUM_THREADS"] = str(threads)
+    quiet_thread_pools(threads)
     import blockpad as bp
     from blockpad.codegen.spec import parse_spec
     from blockpad.runtime.tvm_runtime import default_threads

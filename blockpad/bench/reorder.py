@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .common import interleaved, table, threaded_copy
+from .common import interleaved, quiet_thread_pools, table, threaded_copy
 
 SHAPES = [(1, 30, 56, 56), (1, 64, 56, 56), (2, 128, 56, 56), (8, 256, 56, 56)]
 QUICK_SHAPES = 2  # --quick: the first two
@@ -136,10 +136,7 @@ def bench_shape(lib, shape, to_blocked, repeat, threads, pool):
 
 
 def main(repeat=5, threads=None, quick=False):
-    if threads:
-        os.environ["TVM_NUM_THREADS"] = str(threads)  # read when TVM's thread pool starts
-    # torch's OpenMP workers spin after each call, taking the cores from the next contender
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    quiet_thread_pools(threads)   # read when the thread pools start
     lib = build_library()
     import tvm_ffi
 

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from .common import interleaved, native_target, table
+from .common import interleaved, native_target, quiet_thread_pools, table
 
 EPS = 1e-5
 
@@ -125,13 +125,7 @@ def main(repeat=7, threads=None, quick=False, policy="dst_fused", hw=None, targe
     # at run time where the CPU has it
     os.environ["BLOCKPAD_JIT_TARGET"] = target or os.environ.get("BLOCKPAD_JIT_TARGET") \
         or native_target()
-    # Two thread pools share the cores: TVM's workers and PyTorch's OpenMP team both spin
-    # after their work by default, and whichever ran last then steals the cores from the
-    # other (measured here: PyTorch 40x slower right after a blockpad call). Both are told to
-    # sleep instead, before either pool starts.
-    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import blockpad as bp
+    quiet_thread_pools()
     from blockpad.runtime.cache import default_cache
     from blockpad.runtime.tvm_runtime import default_threads
 
