@@ -220,20 +220,27 @@ class Matmul:
 
         from .cuda_bf16 import tensor_core_matmul
 
-        tvm_target = target.tvm_target()
-        kept = KeptPredicates(func)
-        # scheduled over compact parameters; the layouts' strided ones are put back afterwards
-        aligned, restore = aligned_params(kept.strip(func), 64)
-        try:
-            with tvm_target:   # the first tensor-core kernel imports TVM's CUDA intrinsics: ~30-60 s
-                sch = (tensor_core_matmul(aligned, tvm_target)
-                       or dlight.gpu.Matmul().apply(aligned, tvm_target, False))
-        except Exception:  # noqa: BLE001 - dlight asserts on shapes it does not handle
-            return None
-        if sch is None:
-            return None
-        _bind_all(sch)   # stages dlight left alone (an epilogue it could not inline)
-        return s_tir.Schedule(kept.restore(restore(sch.mod["main"])))
+        return dlight_style(func, target, lambda f, t: (
+            tensor_core_matmul(f, t) or dlight.gpu.Matmul().apply(f, t, False)))
+
+
+def dlight_style(func, target, rule):
+    """``rule(func, tvm_target)``, a dlight-style rule (a Schedule, or None where it does not
+    apply; dlight asserts on shapes it does not handle: None too), applied over compact,
+    64-byte aligned parameters and without block predicates, both put back afterwards (see
+    ``aligned_params``, ``KeptPredicates``); stages the rule left alone are bound."""
+    tvm_target = target.tvm_target()
+    kept = KeptPredicates(func)
+    aligned, restore = aligned_params(kept.strip(func), 64)
+    try:
+        with tvm_target:   # the first tensor-core kernel imports TVM's CUDA intrinsics: ~30-60 s
+            sch = rule(aligned, tvm_target)
+    except Exception:  # noqa: BLE001 - dlight asserts on shapes it does not handle
+        return None
+    if sch is None:
+        return None
+    _bind_all(sch)   # stages dlight left alone (an epilogue it could not inline)
+    return s_tir.Schedule(kept.restore(restore(sch.mod["main"])))
 
 
 RULES = [Elementwise(), Matmul()]

@@ -34,8 +34,15 @@ MIN_EXTENT = 64   # dlight's minimal_tensorize_threshold: M, N and K must each e
 def tensor_core_matmul(func, target):
     """``func`` (bf16 bits in uint16 parameters, compact ones) scheduled on tensor cores, or
     None: not bf16, too small for dlight's tiles, or the rule did not take it."""
+    return tensorized(func, target) if _large_enough(func) else None
+
+
+def tensorized(func, target):
+    """``func`` scheduled by dlight's tensor-core rule with the bf16 intrinsics, whatever its
+    sizes (the rule pads them to its tiles), or None: it reads no bf16 bits in uint16
+    parameters, or the rule did not take it."""
     bits = [p for p in func.params if str(p.dtype) == "uint16" and _reinterpreted(func, p)]
-    if not bits or not _large_enough(func):
+    if not bits:
         return None
     pairs = [(p, tirx.decl_buffer(p.shape, BF16, p.name, strides=p.strides,
                                   elem_offset=p.elem_offset, data_alignment=p.data_alignment,
