@@ -28,12 +28,15 @@ def batch_size(fn, batch_s=BATCH_S) -> int:
 
 def interleaved(contenders: dict, repeat: int) -> dict:
     """``{name: fn}`` -> ``{name: median seconds per call}``, timing one batch of each contender
-    per round so that clock drift hits them all alike."""
+    per round so that clock drift hits them all alike. Each round starts one contender later
+    than the last: what runs right after a given contender (its caches, its threads going to
+    sleep) is not always the same one's luck or burden."""
     sizes = {name: batch_size(fn) for name, fn in contenders.items()}
     times = {name: [] for name in contenders}
-    for _ in range(repeat):
-        for name, fn in contenders.items():
-            times[name].append(_time(fn, sizes[name]) / sizes[name])
+    names = list(contenders)
+    for r in range(repeat):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(_time(contenders[name], sizes[name]) / sizes[name])
     return {name: statistics.median(t) for name, t in times.items()}
 
 
