@@ -16,7 +16,8 @@ order, so a stage sees its predecessor's stores.
   ``cuda_bf16``: dlight's rule is fp16-only).
 * ``Fallback``: any other stage gets its spatial loops fused and bound the same way, its
   reduction loops running serially inside the thread. Correct for every op; slow for
-  reductions (convolution, softmax and pooling have no CUDA rule of their own yet).
+  reductions without a rule of their own (convolution has ``cuda_conv``, softmax and pooling
+  ``cuda_reduction``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""CUDA direct convolution (fp32 and the other non-tensor-core types): shared-memory tiling.
+"""CUDA convolution: fp16 on tensor cores as an implicit GEMM where the GEMM is large enough
+(``TensorCoreConv``), otherwise (fp32, other types, small GEMMs) a direct convolution with
+shared-memory tiling (``DirectConv``), described here.
 
 ``codegen.ops.conv`` gives two stages over the destination's physical index space: ``acc``
 (the reduction over input channels ``rc`` and the window ``rh``, ``rw``) and ``dst`` (post-ops,
@@ -38,7 +40,8 @@ import tvm_ffi
 from tvm import s_tir
 
 from .common import op_of
-from .cuda import KeptPredicates, aligned_params, bind_spatial, loop_depth, pow2_above, uses
+from .cuda import (KeptPredicates, aligned_params, bind_spatial, dlight_style, loop_depth,
+                   pow2_above, uses)
 from .generic import root_blocks
 from .halo import staged_source
 
@@ -46,6 +49,57 @@ _IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 THREADS = 256             # most threads in a block
 SHARED_BYTES = 40 << 10   # shared memory a step may stage (48 KiB static, some slack)
 STEPS = (16, 8, 4, 2, 1)  # channel steps tried, the largest that fits first
+
+GEMM_MIN = 64             # dlight's minimal_tensorize_threshold, on the GEMM's M, N and K
+TENSOR_CORE_SOURCES = ("float16",)
+
+
+class TensorCoreConv:
+    """fp16 convolution (fp32 accumulation) on tensor cores, as an implicit GEMM: output pixels
+    (batch, rows, columns) x output channels = M x N, input channels x window = K. The
+    reduction is dlight's matmul after all (``C[S, I, J] += A[S, I, K] * B[S, J, K]``, with
+    ``oh + rh`` an I and a K index of A), so dlight's ``MatmulTensorization`` schedules it:
+    ``reindex`` of the source read *is* the im2col matrix, never materialised, its 128 x 64
+    tiles gathered straight from the (blocked or plain) source into ``shared.dyn`` by all
+    threads, the weights' 128 x 64 tiles likewise; 16x16x16 ``wmma`` fragments, M, N and K
+    padded to its tiles (the padding gathers zeros). Spatial padding is ``halo.staged_source``'s
+    zero-haloed copy, which the rule inlines into the gather: the image-bounds guard sits on the
+    shared tile's load, not in the MMA. The epilogue (post-ops, cast, padding store) is inlined
+    into the store from the accumulator; block predicates are kept (``dlight_style``).
+
+    Only where M, N and K each exceed ``GEMM_MIN`` (smaller GEMMs leave most of a 128 x 128
+    tile idle). Grouped convolutions (an output channel indexes the source too: no GEMM) and
+    whatever the rule cannot tensorize return None: ``DirectConv`` takes them."""
+
+    ops = ("conv2d",)
+
+    def apply(self, func, target):
+        if op_of(func) not in self.ops or not _tensor_core_gemm(func):
+            return None
+        from tvm.s_tir.dlight.gpu.matmul import MatmulTensorization
+
+        return dlight_style(staged_source(func), target,
+                            lambda f, t: MatmulTensorization().apply(f, t, False))
+
+
+def _tensor_core_gemm(func) -> bool:
+    """Whether ``func``'s ``acc`` block is a GEMM (dlight's iter traits) with fp16 sources
+    and M, N and K each above ``GEMM_MIN``."""
+    from tvm.s_tir.dlight.gpu.matmul import IterKind, detect_iter_traits
+
+    blocks = []
+    tvm_ffi.structural_walk(func, (s_tir.SBlock, lambda b: blocks.append(b)
+                                   if b.name_hint == "acc" else None))
+    if len(blocks) != 1 or any(str(r.source.dtype) not in TENSOR_CORE_SOURCES
+                               for r in blocks[0].reads):
+        return False
+    traits = detect_iter_traits(blocks[0])
+    if traits is None:
+        return False
+    dims = {kind: math.prod(int(t.extent) for t in traits[3] if t.kind == kind)
+            for kind in (IterKind.kIter_I, IterKind.kIter_J, IterKind.kIter_K)}
+    return all(d > GEMM_MIN for d in dims.values())
+
 
 class DirectConv:
     ops = ("conv2d",)
@@ -277,4 +331,4 @@ def _pow2_below(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-RULES = [DirectConv()]
+RULES = [TensorCoreConv(), DirectConv()]

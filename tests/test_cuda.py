@@ -235,19 +235,68 @@ BF16_MATMUL = {"op": "matmul", "dtype": "bfloat16", "shape": [200, 100], "n": 15
 
 def bf16_matmul_kernel():
     """The matmul op's own bf16 kernel (uint16 bits in its arguments)."""
+    return spec_kernel("mm_bf16", BF16_MATMUL)
+
+
+_TC_CONV = {"op": "conv2d", "dtype": "float16", "kernel": [3, 3], "pad": [1, 1],
+            "src": "nChw16c", "weights": "OIhw16i16o", "dst": "nChw16c"}
+TC_CONVS = {   # fp16, GEMM M, N, K each > 64 but no multiple of the 128 x 128 x 64 tiles
+    "conv_f16_fused": {**_TC_CONV, "shape": [1, 30, 9, 9], "channels": 70},   # C, K tails
+    "conv_f16_plain_s2": {**_TC_CONV, "shape": [2, 20, 15, 13], "channels": 72, "stride": [2, 2],
+                          "src": "nchw", "weights": "oihw", "dst": "nchw"},
+    "conv_f16_1x1_s2_bias": {**_TC_CONV, "shape": [1, 80, 18, 18], "channels": 96,
+                             "kernel": [1, 1], "pad": [0, 0], "stride": [2, 2],
+                             "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]},
+    "conv_f16_stage_dst_stage": {**_TC_CONV, "shape": [1, 20, 9, 9], "channels": 72,
+                                 "spatial_pad": "stage", "policy": "dst_stage"},
+}
+
+
+def spec_kernel(name, spec):
     from blockpad.codegen.build import make_kernels
 
     return make_kernels(parse_spec({"library": {"name": "x"},
-                                    "kernel": [{"name": "mm_bf16", **BF16_MATMUL}]}).kernels[0])[0]
+                                    "kernel": [{"name": name, **spec}]}).kernels[0])[0]
+
+
+def emulate_tensor_cores(kernel, out):
+    """The CUDA schedule of ``kernel`` with every ``tensorize`` left out, run serially on the
+    CPU (``run_serially``) on random inputs and garbage in dst: saves its dst and the unscheduled
+    kernel's as ``out``-got.npy and ``out``-expected.npy. ``tensorize`` only swaps a block whose
+    loops match an intrinsic's description for the intrinsic, so without it the schedule is the
+    tensor-core one (tiles, im2col gather into shared memory, padding, fragments, epilogue,
+    predicates) with each wmma load, fill, mma and store as the loops it stands for. Not
+    covered: the intrinsics' own code (fragments spread over a warp's lanes), TVM's lowering
+    after scheduling, nvcc."""
+    from unittest import mock
+
+    import tvm
+    from tvm import s_tir
+
+    from blockpad.codegen.targets import get_target
+    from blockpad.schedules import schedule
+
+    with mock.patch.object(s_tir.Schedule, "tensorize", lambda *a, **k: None):
+        func = schedule(kernel.func, get_target("cuda-sm80"))
+    assert 'scope="wmma.accumulator"' in func.script(), "not the tensor-core schedule"
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal([int(x) for x in p.shape]).astype(str(p.dtype))
+            for p in kernel.func.params]
+    expected = [a.copy() for a in args]
+    run_serially(func)(*args)
+    tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"](*expected)
+    np.save(f"{out}-got.npy", args[-1])
+    np.save(f"{out}-expected.npy", expected[-1])
 
 
 @pytest.fixture(scope="session")
-def tensor_core_matmuls(tmp_path_factory):
-    """Two tensor-core schedules, fp16 (blocked src, so operands are re-indexed on their way to
-    shared memory) and bf16 (odd shapes, padded), each compiled for each arch, keyed by
-    (dtype, arch). Scheduling imports TVM's CUDA tensor intrinsics, whose TVMScript decorator
-    calls inspect.stack() hundreds of times: under pytest's deep stacks that takes minutes, in
-    a fresh process about half a minute, so both run in one."""
+def tensor_core_kernels(tmp_path_factory):
+    """The tensor-core schedules, each compiled for each arch, keyed by (kernel, arch): two
+    matmuls, fp16 (blocked src, so operands are re-indexed on their way to shared memory) and
+    bf16 (odd shapes, padded), and the ``TC_CONVS``; plus each conv's serial CPU emulation
+    (``emulate_tensor_cores``). Scheduling imports TVM's CUDA tensor intrinsics, whose
+    TVMScript decorator calls inspect.stack() hundreds of times: under pytest's deep stacks that
+    takes minutes, in a fresh process about half a minute, so all run in one."""
     out = tmp_path_factory.mktemp("tensor_cores")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = f"""
@@ -255,25 +304,36 @@ import sys
 sys.path.insert(0, {root!r})
 from blockpad.codegen.targets import get_target
 from blockpad.schedules import schedule
-from tests.test_cuda import ARCHS, bf16_matmul_kernel, compile_cuda, matmul_kernel
-kernels = {{"float16": matmul_kernel("mm_f16", 256, 192, 128, "float16", ("AB16b16a", "ab", "ab")),
-           "bfloat16": bf16_matmul_kernel()}}
-for dtype, kernel in kernels.items():
+from tests.test_cuda import (ARCHS, TC_CONVS, bf16_matmul_kernel, compile_cuda,
+                             emulate_tensor_cores, matmul_kernel, spec_kernel)
+kernels = {{"mm_float16": matmul_kernel("mm_f16", 256, 192, 128, "float16",
+                                        ("AB16b16a", "ab", "ab")),
+           "mm_bfloat16": bf16_matmul_kernel(),
+           **{{name: spec_kernel(name, spec) for name, spec in TC_CONVS.items()}}}}
+for key, kernel in kernels.items():
     func = schedule(kernel.func, get_target("cuda-sm80"))
-    open({str(out)!r} + f"/{{dtype}}.params", "w").write(" ".join(str(p.dtype) for p in func.params))
+    open({str(out)!r} + f"/{{key}}.params", "w").write(" ".join(str(p.dtype) for p in func.params))
+    open({str(out)!r} + f"/{{key}}.tir.py", "w").write(func.script())
     for name in ARCHS:
-        source, fatbin, ptx = compile_cuda(func, "mm", name)
-        open({str(out)!r} + f"/{{dtype}}-{{name}}.cu", "w").write(source)
-        open({str(out)!r} + f"/{{dtype}}-{{name}}.fatbin", "wb").write(fatbin)
-        open({str(out)!r} + f"/{{dtype}}-{{name}}.ptx", "w").write(ptx)
+        source, fatbin, ptx = compile_cuda(func, key, name)
+        open({str(out)!r} + f"/{{key}}-{{name}}.cu", "w").write(source)
+        open({str(out)!r} + f"/{{key}}-{{name}}.fatbin", "wb").write(fatbin)
+        open({str(out)!r} + f"/{{key}}-{{name}}.ptx", "w").write(ptx)
+    if key in TC_CONVS:
+        emulate_tensor_cores(kernel, {str(out)!r} + f"/{{key}}")
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {(dtype, name): ((out / f"{dtype}-{name}.cu").read_text(),
-                            (out / f"{dtype}-{name}.fatbin").read_bytes(),
-                            (out / f"{dtype}-{name}.ptx").read_text(),
-                            (out / f"{dtype}.params").read_text().split())
-            for dtype in ("float16", "bfloat16") for name in ARCHS}
+    return out
+
+
+def tensor_core_kernel(out, key, target_name):
+    """(CUDA source, fatbin, PTX, parameter dtypes, scheduled TIR) of one of
+    ``tensor_core_kernels``."""
+    return ((out / f"{key}-{target_name}.cu").read_text(),
+            (out / f"{key}-{target_name}.fatbin").read_bytes(),
+            (out / f"{key}-{target_name}.ptx").read_text(),
+            (out / f"{key}.params").read_text().split(), (out / f"{key}.tir.py").read_text())
 
 
 TENSOR_CORES = {   # dtype: (wmma mma in the PTX, HMMA in the SASS)
@@ -285,8 +345,9 @@ TENSOR_CORES = {   # dtype: (wmma mma in the PTX, HMMA in the SASS)
 @pytest.mark.slow   # the first tensor-core schedule in a process imports TVM's intrinsics
 @pytest.mark.parametrize("dtype", list(TENSOR_CORES))
 @pytest.mark.parametrize("target_name", list(ARCHS))
-def test_matmul_runs_on_tensor_cores(tensor_core_matmuls, dtype, target_name):
-    source, fatbin, ptx, params = tensor_core_matmuls[dtype, target_name]
+def test_matmul_runs_on_tensor_cores(tensor_core_kernels, dtype, target_name):
+    source, fatbin, ptx, params, _ = tensor_core_kernel(tensor_core_kernels, f"mm_{dtype}",
+                                                        target_name)
     cc = ARCHS[target_name]
     assert "nvcuda::wmma::mma_sync" in source
     assert re.search(rf"^\.target sm_{cc}$", ptx, re.M)
@@ -304,16 +365,90 @@ def test_matmul_runs_on_tensor_cores(tensor_core_matmuls, dtype, target_name):
                     "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm; .ci/run does)")
 @pytest.mark.parametrize("dtype", list(TENSOR_CORES))
 @pytest.mark.parametrize("target_name", list(ARCHS))
-def test_matmul_sass_has_hmma(tensor_core_matmuls, dtype, target_name, tmp_path):
-    _, fatbin, _, _ = tensor_core_matmuls[dtype, target_name]
-    cc = ARCHS[target_name]
+def test_matmul_sass_has_hmma(tensor_core_kernels, dtype, target_name, tmp_path):
+    _, fatbin, _, _, _ = tensor_core_kernel(tensor_core_kernels, f"mm_{dtype}", target_name)
+    sass = disassemble(fatbin, tmp_path)
+    assert f"code for sm_{ARCHS[target_name]}" in sass and TENSOR_CORES[dtype][1] in sass
+
+
+def disassemble(fatbin, tmp_path) -> str:
+    """The SASS of ``fatbin`` (cuobjdump -sass)."""
     tool = cuobjdump()
     (tmp_path / "k.fatbin").write_bytes(fatbin)
     sass = subprocess.run([tool[0], "-sass", str(tmp_path / "k.fatbin")], env=tool[1],
                           capture_output=True, text=True, timeout=120)
     assert sass.returncode == 0, sass.stderr
-    assert f"code for sm_{cc}" in sass.stdout and TENSOR_CORES[dtype][1] in sass.stdout
+    return sass.stdout
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target_name", list(ARCHS))
+def test_fp16_conv_runs_on_tensor_cores(tensor_core_kernels, target_name):
+    """Implicit GEMM: source windows gathered (im2col, never materialised) and weights staged
+    in dynamic shared memory by all threads, 16x16x16 wmma fragments loaded from there, fp32
+    accumulation; one kernel (epilogue fused); spatial padding guarded in the gather; the
+    dst_stage predicate kept."""
+    cc = ARCHS[target_name]
+    tir = {}
+    for name in TC_CONVS:
+        source, fatbin, ptx, params, tir[name] = tensor_core_kernel(tensor_core_kernels, name,
+                                                                    target_name)
+        assert "nvcuda::wmma::mma_sync" in source, name
+        assert re.search(rf"^\.target sm_{cc}$", ptx, re.M) and ptx.count(".entry") == 1, name
+        mma = re.findall(rf"^\s*wmma\.mma\.sync\.aligned\.row\.col\."
+                         rf"{TENSOR_CORES['float16'][0]}", ptx, re.M)
+        assert len(mma) >= 8, name
+        for operand in ("a.sync.aligned.row", "b.sync.aligned.col"):
+            assert f"wmma.load.{operand}.m16n16k16.shared.f16" in ptx, name
+        assert ".extern .shared" in ptx and "bar.sync" in ptx, name
+        assert 'scope="shared.dyn"' in tir[name] and "T.tvm_mma_sync(" in tir[name], name
+        assert {(1, cc), (2, cc)} <= set(fatbin_entries(fatbin)[0]), name
+    assert re.search(r"src_pad_reindex_pad_shared_dyn\[.*\] = T\.if_then_else\(.*"
+                     r"T\.if_then_else\(1 <= ", tir["conv_f16_fused"])   # the halo guard
+    assert re.search(r"T\.where\(.* and not .*>= 72\)", tir["conv_f16_stage_dst_stage"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cuobjdump() is None, reason="the SASS check needs cuobjdump and nvdisasm "
+                    "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm; .ci/run does)")
+@pytest.mark.parametrize("target_name", list(ARCHS))
+def test_fp16_conv_sass_has_hmma(tensor_core_kernels, target_name, tmp_path):
+    for name in TC_CONVS:
+        sass = disassemble(tensor_core_kernel(tensor_core_kernels, name, target_name)[1],
+                           tmp_path)
+        assert f"code for sm_{ARCHS[target_name]}" in sass, name
+        assert TENSOR_CORES["float16"][1] in sass, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TC_CONVS))
+def test_fp16_tensor_core_conv_algorithm_on_the_cpu(tensor_core_kernels, name):
+    """The tensor-core schedule with each wmma intrinsic as the loops it replaces, run serially
+    on the CPU (``emulate_tensor_cores`` says what that covers) against the unscheduled kernel:
+    valid outputs within fp16 rounding of fp32 sums, padding the plan leaves (dst_stage) exactly
+    the garbage it was."""
+    got = np.load(tensor_core_kernels / f"{name}-got.npy")
+    expected = np.load(tensor_core_kernels / f"{name}-expected.npy")
+    assert not np.isnan(got).any() and np.abs(expected).max() > 1
+    np.testing.assert_allclose(got.astype("float32"), expected.astype("float32"),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_small_or_grouped_fp16_conv_stays_on_cuda_cores():
+    """M = 36 output pixels is below the tensor-core rule's GEMM sizes, and a depthwise
+    convolution is no GEMM: DirectConv (fp16 sources, fp32 FMAs) takes both."""
+    from blockpad.codegen.targets import get_target
+    from blockpad.schedules import schedule
+
+    for name, spec in {"small": {"shape": [1, 16, 6, 6], "channels": 80},
+                       "depthwise": {"shape": [1, 96, 10, 10], "channels": 96, "groups": 96,
+                                     "weights": "Goihw16g"}}.items():
+        kernel = spec_kernel(name, {**_TC_CONV, **spec})
+        _, _, ptx = compile_cuda(schedule(kernel.func, get_target("cuda-sm80")), name,
+                                 "cuda-sm80")
+        assert not re.search(r"\bw?mma\.", ptx) and re.search(r"fma\.rn(\.ftz)?\.f32", ptx), name
+        assert "bar.sync" in ptx, name
 
 def test_fp32_matmul_tiles_through_shared_memory():
     from blockpad.codegen.targets import get_target
