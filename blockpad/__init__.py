@@ -32,8 +32,9 @@ def jit_cache(libraries=(), cache_dir=None, capacity=None, target="host") -> Ker
                        target=target, **kw)
 
 
-def build(spec, target="host", out_dir="build", force=False, log=None):
-    """Build a spec (TOML path or parsed Spec) for ``target`` into ``out_dir``; see codegen.build."""
+def build(spec, target="host", out_dir="build", force=False, log=None, tuning_logs=None):
+    """Build a spec (TOML path or parsed Spec) for ``target`` into ``out_dir``, with the tuning
+    records of ``tuning_logs`` (default: the packaged ones); see codegen.build."""
     from .codegen.build import build as _build
 
-    return _build(spec, target, out_dir, force=force, log=log)
+    return _build(spec, target, out_dir, force=force, log=log, tuning_logs=tuning_logs)
