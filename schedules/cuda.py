@@ -22,6 +22,8 @@ order, so a stage sees its predecessor's stores.
 
 from __future__ import annotations
 
+import threading
+
 import tvm_ffi
 from tvm import s_tir, tirx
 
@@ -225,6 +227,12 @@ class Matmul:
             tensor_core_matmul(f, t) or dlight.gpu.Matmul().apply(f, t, False)))
 
 
+# One dlight rule at a time per process: ``cuda_bf16`` swaps the wmma intrinsic group dlight
+# reads while it schedules a bf16 kernel, which an fp16 kernel scheduled by another thread (a
+# JIT cache compiling for several) must not see.
+_DLIGHT = threading.Lock()
+
+
 def dlight_style(func, target, rule):
     """``rule(func, tvm_target)``, a dlight-style rule (a Schedule, or None where it does not
     apply; dlight asserts on shapes it does not handle: None too), applied over compact,
@@ -233,8 +241,8 @@ def dlight_style(func, target, rule):
     tvm_target = target.tvm_target()
     kept = KeptPredicates(func)
     aligned, restore = aligned_params(kept.strip(func), 64)
-    try:
-        with tvm_target:   # the first tensor-core kernel imports TVM's CUDA intrinsics: ~30-60 s
+    try:   # (the first tensor-core kernel imports TVM's CUDA intrinsics: ~30-60 s)
+        with _DLIGHT, tvm_target:
             sch = rule(aligned, tvm_target)
     except Exception:  # noqa: BLE001 - dlight asserts on shapes it does not handle
         return None
