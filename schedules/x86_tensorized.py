@@ -21,11 +21,15 @@ reduction) are handled as ``dot_tiled`` says.
 or 32 bf16 (``tdpbf16ps``) reduction steps per tile multiply. All of loop ``r`` is one
 intrinsic (``x86_intrin.amx_multiply``): the accumulator tile is loaded from its per-tile
 scratch once, multiplied along the whole of ``r``, stored once (per filter tap for a
-convolution), and the epilogue reads the scratch. The tensorized init loads the tile
-configuration on the thread that runs the tile (it is per thread). Rows are source rows 64
-bytes apart or more with a constant stride: matmul rows, or convolution output pixels of a
-channels-last source (``nhwc``) with 64 channels per row. Guarded (spatially padded) reads,
-and dims that are not multiples of 16, are left to ``Vnni``.
+convolution), and the epilogue reads the scratch. Where the weights' blocks hold less of
+``r`` than all of it (a convolution's ``OIhw16i16o2i`` bf16 weights: 32 input channels a block,
+against 64 or more channels a source row), the intrinsic's weight tiles would not be
+contiguous: ``r`` is split at the block and each block is one intrinsic (one accumulator round
+trip per block and tap). The tensorized init loads the tile configuration on the thread that
+runs the tile (it is per thread). Rows are source rows 64 bytes apart or more with a constant
+stride: matmul rows, or convolution output pixels of a channels-last source (``nhwc``) with 64
+channels (int8) or 32 (bf16) per row. Guarded (spatially padded) reads, and dims that are not
+multiples of 16, are left to the next rule.
 
 A rule returns None for what it does not take (another dtype, dims that are not multiples of
 the tile, a predicated or guarded nest it cannot tensorize), and the next rule in the table
@@ -42,6 +46,7 @@ from typing import ClassVar
 from . import x86_intrin as xi
 from .common import op_of
 from .dot_tiled import DotTiled, schedule, tile_acc, tile_dst
+from .nest import uses
 
 VNNI_TILE = 15   # vectors in a register tile; 16 x 16 int32 would be 1 KiB, which TVM puts on
                  # the heap
@@ -86,8 +91,9 @@ class Amx:
         if kind is None or nest.guard is not None or nest.wei_guard is not None:
             return False
         multiply, zero, per_tile = kind
-        steps = nest.extents[nest.r]   # the whole of r: one accumulator round trip per tile
-        if nest.extents[nest.n_sp - 1] % 16 or nest.extents[nest.t] % 16 or steps % per_tile:
+        steps = _contiguous_steps(nest)
+        if not steps or steps % per_tile or nest.extents[nest.n_sp - 1] % 16 \
+                or nest.extents[nest.t] % 16:
             return False
         outer = tile_dst(sch, dst, nest, 16, 1, 16)
         update, init = tile_acc(sch, acc, nest, outer, steps, 1, 16)
@@ -95,6 +101,17 @@ class Amx:
         sch.tensorize(sch.get_loops(update)[-3], xi.amx_multiply(
             multiply, steps // per_tile, self.reference))
         return True
+
+
+def _contiguous_steps(nest) -> int:
+    """The steps of ``r`` whose weights are contiguous tile rows: all of ``r`` (one
+    accumulator round trip per tile), unless an outer weights dim walks ``r`` too (blocks of
+    input channels, ``OIhw16i16o2i``: ``[..16i, 16o, 2i]``) and the steps are one block."""
+    r, wei = nest.vars[nest.r], nest.wei
+    if not any(uses(i, r) for i in wei.indices[:-3]):
+        return nest.extents[nest.r]
+    block = int(wei.source.shape[-3]) * int(wei.source.shape[-1])
+    return block if nest.extents[nest.r] % block == 0 else 0   # 0: no whole blocks, declined
 
 
 RULES = [Amx(), Vnni()]

@@ -402,3 +402,44 @@ def test_register_tiled_cuts_partial_tiles_off():
     main_dst = script[script.index('T.sblock("dst")'):script.index('T.sblock("acc_rows_init")')]
     assert "T.min" not in update and "T.where" not in main_dst
     assert "pragma_loop_partition_hint" in script and "T.unroll(16)" in script
+
+
+# ---- bf16 convolution -------------------------------------------------------------------------
+
+BF16_CONV = {"op": "conv2d", "dtype": "bfloat16", "shape": [2, 20, 5, 6], "channels": 24,
+             "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c", "weights": "OIhw16i16o2i",
+             "dst": "nChw16c", "post_ops": [{"kind": "bias"}, RELU]}
+BF16_CASES = {f"{policy}_{spatial}": {**BF16_CONV, "policy": policy, "spatial_pad": spatial}
+              for policy in ("dst_fused", "dst_stage", "src", "on_handle", "tracked", "user")
+              for spatial in ("fused", "stage")}
+BF16_CASES["plain_strided"] = {"op": "conv2d", "dtype": "bfloat16", "shape": [1, 5, 9, 8],
+                               "channels": 6, "kernel": [3, 3], "stride": [2, 2],
+                               "pad": [1, 1], "src": "nchw", "weights": "oihw", "dst": "nchw",
+                               "post_ops": [SIGMOID]}
+BF16_CASES["blocked_16o"] = {**BF16_CONV, "weights": "OIhw16i16o", "post_ops": []}
+
+
+@pytest.fixture(scope="module")
+def bf16_lib(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bf16")
+    spec = {"kernel": [{**entry, "name": n} for n, entry in BF16_CASES.items()]}
+    bp.build(parse_spec(spec), "host", d, log=lambda m: None)
+    return bp.load(d)
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bf16_conv_matches_numpy_under_every_policy(bf16_lib, case, rng):
+    """bf16 x bf16 -> fp32 convolution, fp32 accumulation and post-ops, run on this CPU
+    (RegisterTiled) under every padding policy, spatial padding fused and staged. Checked to
+    float32's tolerance: bf16 products are exact in fp32, only the summation order differs."""
+    entry = BF16_CASES[case]
+    kernel = bf16_lib[case]
+    assert [lay.dtype for _, _, lay, _ in kernel.signature.args] == [
+        "bfloat16", "bfloat16", *["float32"] * (len(kernel.signature.args) - 2)]
+    _check(kernel, {**entry, "dtype": "float32"}, entry.get("policy", "dst_fused"), rng)
+
+
+def test_register_tiled_takes_bf16_convolutions():
+    for target in ("host", "avx512"):
+        for entry in (BF16_CONV, BF16_CASES["plain_strided"]):
+            assert RegisterTiled().apply(_kernels(entry)[0].func, get_target(target)) is not None

@@ -63,10 +63,15 @@ VNNI_SPEC = {"library": {"name": "test-vnni"}, "kernel": [
      "src": "ab", "weights": "BA16b4a", "dst": "ab"},
     {"name": "mm_u8_odd_stage", "op": "matmul", "dtype": "uint8", "shape": [5, 30], "n": 30,
      "src": "ab", "weights": "BA16b4a", "dst": "aB16b", "policy": "dst_stage"},
-    # not tensorized (fp32, bf16: RegisterTiled): zmm FMAs along the 16-channel block
+    # not tensorized (fp32, bf16: RegisterTiled): zmm FMAs along the 16-channel block; bf16
+    # with channel tails, spatial padding, bias and relu in fp32
     {"name": "conv_f32", "op": "conv2d", "dtype": "float32", "shape": [1, 16, 4, 6],
      "channels": 16, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
      "weights": "OIhw16i16o", "dst": "nChw16c"},
+    {"name": "conv_bf16", "op": "conv2d", "dtype": "bfloat16", "shape": [2, 20, 5, 6],
+     "channels": 24, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
+     "weights": "OIhw16i16o2i", "dst": "nChw16c",
+     "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]},
     {"name": "mm_bf16_small", "op": "matmul", "dtype": "bfloat16", "shape": [4, 32], "n": 16,
      "src": "ab", "weights": "BA16b2a", "dst": "ab"},
 ]}
@@ -88,9 +93,22 @@ AMX_SPEC = {"library": {"name": "test-amx"}, "kernel": [
     {"name": "conv_s8_blocked", "op": "conv2d", "dtype": "int8", "shape": [1, 20, 5, 6],
      "channels": 24, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
      "weights": "OIhw4i16o4i", "dst": "nChw16c"},
+    # bf16 nhwc: 64 channels a row, two 32-channel weight blocks (16i x 2i) per filter tap
+    {"name": "conv_bf16_nhwc", "op": "conv2d", "dtype": "bfloat16", "shape": [1, 64, 4, 18],
+     "channels": 32, "kernel": [3, 3], "src": "nhwc", "weights": "OIhw16i16o2i",
+     "dst": "nChw16c", "post_ops": [{"kind": "bias"}]},
+    # one weight block covering a 32-channel row
+    {"name": "conv_bf16_nhwc32", "op": "conv2d", "dtype": "bfloat16", "shape": [2, 32, 3, 18],
+     "channels": 16, "kernel": [1, 3], "src": "nhwc",
+     "weights": "OIhw16i16o2i", "dst": "nhwc"},
+    # a bf16 convolution AMX cannot tile (spatially padded, 16 channels a row)
+    {"name": "conv_bf16_blocked", "op": "conv2d", "dtype": "bfloat16", "shape": [1, 20, 5, 6],
+     "channels": 24, "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
+     "weights": "OIhw16i16o2i", "dst": "nChw16c"},
 ]}
 AMX_TILES = {"mm_u8": "tdpbusd", "mm_s8": "tdpbssd", "mm_bf16": "tdpbf16ps",
-             "conv_u8_nhwc": "tdpbusd"}
+             "conv_u8_nhwc": "tdpbusd", "conv_bf16_nhwc": "tdpbf16ps",
+             "conv_bf16_nhwc32": "tdpbf16ps"}
 
 
 @pytest.fixture(scope="session")
@@ -159,10 +177,16 @@ def test_vnni_int8_kernels_are_tensorized_to_vpdpbusd(vnni_dir):
     assert m["dot"] >= 12 and m["dot"] / m["loads"] >= 0.75, m
 
 
-def test_vnni_fp32_conv_is_16_lane_zmm_fma(vnni_dir):
-    code = kernel_instructions(asm_functions(vnni_dir), "conv_f32")
+@pytest.mark.parametrize("name", ["conv_f32", "conv_bf16"])
+def test_vnni_float_conv_is_16_lane_zmm_fma(vnni_dir, name):
+    """fp32 and bf16 convolutions: RegisterTiled's zmm FMAs (bf16 widened to fp32 by a
+    zero-extend and a shift, 16 lanes at a time: no scalar conversion)."""
+    code = kernel_instructions(asm_functions(vnni_dir), name)
     fmas = [l for l in code if l.split() and l.split()[0].startswith("vfmadd")]
     assert fmas and all("zmm" in l for l in fmas)
+    if name == "conv_bf16":   # the weight vectors: 16 bf16 widened at once
+        widen = [l for l in code if l.split() and l.split()[0] in ("vpmovzxwd", "vpslld")]
+        assert widen and all(l.split()[-1].startswith("%zmm") for l in widen)
 
 
 @pytest.mark.skipif(not HAVE_VNNI, reason=NO_VNNI)
@@ -239,9 +263,18 @@ def test_amx_kernels_use_tiles(amx_dir):
         tiles = code.count("tilezero")
         assert code.count("tileloadd") == 2 * dots + tiles, name
         assert code.count("tilestored") == 2 * tiles, name
-    # a convolution AMX cannot tile (16 channels a row) falls back to vpdpbusd
+    # a convolution AMX cannot tile (16 channels a row) falls back to vpdpbusd, bf16 to fp32
+    # zmm FMAs (RegisterTiled)
     code = kernel_instructions(funcs, "conv_s8_blocked")
     assert _has(code, "vpdpbusd") and not _has(code, "tdpbssd")
+    code = kernel_instructions(funcs, "conv_bf16_blocked")
+    assert _has(code, "vfmadd231ps") or _has(code, "vfmadd213ps")
+    assert not _has(code, "tdpbf16ps")
+    # bf16 nhwc, 64 channels in two weight blocks: per output tile and filter tap one
+    # multiply per block, A and B loaded for each, the accumulator tile loaded once per
+    # multiply (it is stored back between weight blocks)
+    code = [l.split()[0] for l in kernel_instructions(funcs, "conv_bf16_nhwc") if l.split()]
+    assert code.count("tdpbf16ps") == 3 * 3 * 2, code.count("tdpbf16ps")
 
 
 @pytest.mark.parametrize("name", list(AMX_TILES))
@@ -330,11 +363,29 @@ def test_rules_leave_other_kernels_to_the_next_rule():
     assert Amx().apply(func(**s8), get_target("amx")) is not None
 
 
-def test_bf16_convolution_is_refused_with_a_spec_error():
-    with pytest.raises(bp.SpecError, match="dtype"):
-        parse_spec({"kernel": [{"op": "conv2d", "dtype": "bfloat16", "shape": [1, 16, 4, 4],
-                                "channels": 16, "src": "nChw16c", "weights": "OIhw16i16o",
-                                "dst": "nChw16c"}]})
+def test_amx_takes_bf16_convolutions_with_whole_weight_blocks():
+    """bf16 convolution: bf16 weights and fp32 destination, bias and accumulator, bits in
+    uint16 arguments; AMX takes an nhwc source whose weight blocks hold whole tile multiples
+    of the reduction and leaves the rest (a 16-channel row, a block that splits a tile) to
+    RegisterTiled."""
+    def kernel(**fields):
+        spec = {"name": "k", "op": "conv2d", "dtype": "bfloat16", "shape": [1, 64, 3, 18],
+                "channels": 16, "kernel": [1, 3], "src": "nhwc", "weights": "OIhw16i16o2i",
+                "dst": "nChw16c", "post_ops": [{"kind": "bias"}], **fields}
+        return make_kernels(parse_spec({"kernel": [spec]}).kernels[0])[0]
+
+    k = kernel()
+    assert [(a.name, a.layout.dtype, a.storage) for a in k.args] == [
+        ("src", "bfloat16", "uint16"), ("weights", "bfloat16", "uint16"),
+        ("bias", "float32", "float32"), ("dst", "float32", "float32")]
+    from blockpad.schedules.x86_tensorized import Amx
+
+    amx = get_target("amx")
+    assert Amx().apply(k.func, amx) is not None
+    assert Amx().apply(kernel(weights="OIhw32i16o2i").func, amx) is not None
+    assert Amx().apply(kernel(weights="OIhw8i16o2i").func, amx) is None     # 16 steps a block
+    assert Amx().apply(kernel(shape=[1, 16, 3, 18]).func, amx) is None     # 16 channels a row
+    assert Amx().apply(k.func, get_target("avx512")) is None
 
 
 # ---- the instruction-mix benchmark's parser ----------------------------------------------------

@@ -6,9 +6,14 @@
 with g = k // (K/G) the group of output channel k. Weights are ``(K, C, KH, KW)`` (``oihw``
 family) for ``groups = 1`` and ``(G, K/G, C/G, KH, KW)`` (``goihw``) otherwise; depthwise is
 ``groups = C`` (e.g. ``Goihw16g``). ``dilation = 1`` is a dense kernel (PyTorch's convention,
-oneDNN's 0). ``pad`` is symmetric. Element types as ``postops.types`` says: float32 (float64,
-float16 too), or int8: ``uint8``/``int8`` source x ``int8`` weights accumulated in int32, then
-``dst = scale[k] * acc`` (+ post-ops) in float32.
+oneDNN's 0). ``pad`` is symmetric. Element types as matmul's (``matmul._types``): float32
+(float64, float16 too); int8: ``uint8``/``int8`` source x ``int8`` weights accumulated in int32,
+then ``dst = scale[k] * acc`` (+ post-ops) in float32; or ``bfloat16`` x ``bfloat16``
+accumulated in float32, bias and post-ops in float32, a float32 destination. bf16 is kept as its
+uint16 bits in the kernel's arguments (DLPack and numpy have no bfloat16) and reinterpreted where
+the reduction reads it, after any spatial-padding guard or staged copy (which move bits: a zero
+halo is +0.0); weights pair reduction steps for the dot products (``OIhw16i16o2i``: AMX
+``tdpbf16ps``, ``vdpbf16ps``) or stay plain/blocked (``oihw``, ``OIhw16i16o``).
 
 Spatial padding is read as zero in one of three ways, all from the same declaration:
 
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import te
+from tvm import te, tirx
 
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
@@ -36,6 +41,7 @@ from blockpad.layout import Layout
 from ..policy import plan
 from . import postops
 from .common import OpDef, Source, int_pair, materialize, propagates_zero
+from .matmul import BF16, _types
 
 TENSORS = ("src", "weights", *postops.TENSORS, "dst")
 PARAMS = {"channels": None, "kernel": [1, 1], "stride": [1, 1], "pad": [0, 0],
@@ -92,13 +98,15 @@ class Geometry:
 
 def signature(shape, dtype, params):
     """``shape``: the source (N, C, H, W); ``channels``: K. Integer sources take int8 weights,
-    a float32 per-channel ``scale`` and give a float32 destination."""
+    a float32 per-channel ``scale`` and give a float32 destination; bf16 sources take bf16
+    weights and float32 post-op tensors and destination."""
     geo = Geometry.of(tuple(shape), *(params[p] for p in
                       ("channels", "kernel", "stride", "pad", "dilation", "groups")))
-    wei, _, out = postops.types(dtype)
+    wei, _, out = _types(dtype)
     dst = (geo.n, geo.k, *geo.out)
     return {"src": (tuple(shape), dtype), "weights": (geo.weights, wei),
-            **postops.tensors(params["post_ops"], dst, geo.k, dtype), "dst": (dst, out)}
+            **postops.tensors(params["post_ops"], dst, geo.k, out if dtype == BF16 else dtype),
+            "dst": (dst, out)}
 
 
 def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad=(0, 0),
@@ -114,10 +122,14 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
     reads_padding = c_red > cg
     halo_covers = all(p <= min(h) for p, h in zip(geo.pad, src.paddings[2:]))
     staged = spatial_pad == "stage" and not halo_covers
-    acc = postops.types(src.dtype)[1]
+    acc = _types(src.dtype)[1]
+    bits = "uint16" if src.dtype == BF16 else None
+
+    def elem(v):
+        return (tirx.reinterpret(BF16, v) if bits else v).astype(acc)
 
     def opdef(mode):
-        x, w = Source("src", src, mode), Source("weights", wei, mode)
+        x, w = Source("src", src, mode, bits), Source("weights", wei, mode, bits)
         post = postops.Chain(post_ops, layouts, mode)
         xs = PaddedCopy(x, geo.pad) if staged else x
         rc = te.reduce_axis((0, c_red), "rc")
@@ -130,7 +142,7 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
             else:
                 g = k // kg
                 a, b = xs(n, g * cg + rc, ih, iw), w(g, k % kg, rc, rh, rw)
-            return te.sum(a.astype(acc) * b.astype(acc), axis=[rc, rh, rw])
+            return te.sum(elem(a) * elem(b), axis=[rc, rh, rw])
 
         params = {"channels": geo.k, "kernel": list(geo.kernel), "stride": list(geo.stride),
                   "pad": list(geo.pad), "dilation": list(geo.dilation), "groups": groups,
