@@ -10,8 +10,11 @@ arguments (DLPack and numpy have no bfloat16), so the reduction reads uint16, wh
 would take for bf16. Hence:
 
 1. the bf16 load and mma intrinsics are registered here (once per process);
-2. the uint16 parameters are retyped to bfloat16 and their ``reinterpret`` s dropped, so the
-   reduction reads bf16 as dlight's rule expects (``C += f32(A) * f32(B)``);
+2. the uint16 buffers the reduction reinterprets are retyped to bfloat16 and their
+   ``reinterpret`` s dropped, so the reduction reads bf16 as dlight's rule expects
+   (``C += f32(A) * f32(B)``): parameters, and a convolution's zero-haloed source copy
+   (``halo.staged_source``'s ``src_pad``, a uint16 stage) together with the parameter it copies
+   and the zero it pads with;
 3. dlight's ``MatmulTensorization`` runs while ``get_wmma_intrin_group`` answers with the bf16
    names (the rule looks that function up on each call; it has no other hook);
 4. the parameters become uint16 again, each load of them reinterpreted to bfloat16 (they are
@@ -41,8 +44,8 @@ def tensorized(func, target):
     """``func`` scheduled by dlight's tensor-core rule with the bf16 intrinsics, whatever its
     sizes (the rule pads them to its tiles), or None: it reads no bf16 bits in uint16
     parameters, or the rule did not take it."""
-    bits = [p for p in func.params if str(p.dtype) == "uint16" and _reinterpreted(func, p)]
-    if not bits:
+    bits = _bit_buffers(func)
+    if not any(any(b.same_as(p) for p in func.params) for b in bits):
         return None
     pairs = [(p, tirx.decl_buffer(p.shape, BF16, p.name, strides=p.strides,
                                   elem_offset=p.elem_offset, data_alignment=p.data_alignment,
@@ -53,21 +56,44 @@ def tensorized(func, target):
         sch = MatmulTensorization().apply(_as_bf16(func, pairs), target, False)
     if sch is None:
         return None
-    return s_tir.Schedule(_as_bits(sch.mod["main"], [(b, a) for a, b in pairs]))
+    params = [(b, a) for a, b in pairs if any(a.same_as(p) for p in func.params)]
+    return s_tir.Schedule(_as_bits(sch.mod["main"], params))
 
 
-def _reinterpreted(func, param) -> bool:
-    hits = []
-    tvm_ffi.structural_walk(func, (ir_expr.Call, lambda c: hits.append(_bits_load(c, [param]))))
-    return any(h is not None for h in hits)
+def _bit_buffers(func) -> list:
+    """The uint16 buffers ``func`` reads as bf16: those it reinterprets, and the uint16 ones
+    copied into those (the parameter behind a staged source copy, whose stage reads it as
+    bits). Retyping one of a copy's ends alone would leave the copy mistyped."""
+    bits = []
+
+    def add(buffer):
+        if str(buffer.dtype) == "uint16" and not any(buffer.same_as(b) for b in bits):
+            bits.append(buffer)
+
+    def reinterpreted(call):
+        load = _bits_load(call)
+        if load is not None:
+            add(load.source)
+
+    tvm_ffi.structural_walk(func, (ir_expr.Call, reinterpreted))
+    copies = []
+    tvm_ffi.structural_walk(func, (s_tir.SBlock, copies.append))
+    for block in copies:
+        if any(w.source.same_as(b) for w in block.writes for b in bits):
+            for r in block.reads:
+                add(r.source)
+    return bits
 
 
-def _bits_load(call, params):
-    """The load inside ``reinterpret(bfloat16, param[...])`` for one of ``params``, else None."""
+def _bits_load(call, buffers=None):
+    """The load inside ``reinterpret(bfloat16, buffer[...])`` for one of ``buffers`` (any
+    buffer if None), else None."""
     if call.op.name != "tirx.reinterpret" or not isinstance(call.args[0], ir_expr.TensorLoad):
         return None
     load = call.args[0]
-    return load if any(load.source.same_as(p) for p in params) else None
+    if buffers is None or any(load.source.same_as(b) for b in buffers):
+        return load
+    return None
 
 
 def _large_enough(func) -> bool:
@@ -89,13 +115,27 @@ def _swap(func, pairs):
 
 
 def _as_bf16(func, pairs):
-    def unwrap(call):
-        load = _bits_load(call, [a for a, _ in pairs])
-        if load is None:
-            return call
+    """Each reinterpreted load of a bits buffer a load of its bf16 twin; in a copy between
+    bits buffers (``if_then_else(in_image, src[...], 0)``, nested when the source is masked
+    too) the loads and the zero they pad with bf16 as well."""
+    def twin(load):
         return tirx.BufferLoad(next(b for a, b in pairs if load.source.same_as(a)), load.indices)
 
-    return _swap(tvm_ffi.structural_map(func, (ir_expr.Call, unwrap)), pairs)
+    def retype(call):
+        load = _bits_load(call, [a for a, _ in pairs])
+        if load is not None:
+            return twin(load)
+        if call.op.name != "prim.if_then_else" or str(call.args[2].ty.dtype) != "uint16":
+            return call
+        value = call.args[1]
+        if isinstance(value, ir_expr.TensorLoad) and any(value.source.same_as(a)
+                                                         for a, _ in pairs):
+            value = twin(value)
+        if str(value.ty.dtype) != BF16:
+            return call
+        return tirx.if_then_else(call.args[0], value, tirx.reinterpret(BF16, call.args[2]))
+
+    return _swap(tvm_ffi.structural_map(func, (ir_expr.Call, retype)), pairs)
 
 
 def _as_bits(func, pairs):

@@ -51,11 +51,11 @@ SHARED_BYTES = 40 << 10   # shared memory a step may stage (48 KiB static, some 
 STEPS = (16, 8, 4, 2, 1)  # channel steps tried, the largest that fits first
 
 GEMM_MIN = 64             # dlight's minimal_tensorize_threshold, on the GEMM's M, N and K
-TENSOR_CORE_SOURCES = ("float16",)
+TENSOR_CORE_SOURCES = ("float16", "uint16")   # uint16: bf16 bits (cuda_bf16 declines others)
 
 
 class TensorCoreConv:
-    """fp16 convolution (fp32 accumulation) on tensor cores, as an implicit GEMM: output pixels
+    """fp16 and bf16 convolution (fp32 accumulation) on tensor cores, as an implicit GEMM: output pixels
     (batch, rows, columns) x output channels = M x N, input channels x window = K. The
     reduction is dlight's matmul after all (``C[S, I, J] += A[S, I, K] * B[S, J, K]``, with
     ``oh + rh`` an I and a K index of A), so dlight's ``MatmulTensorization`` schedules it:
@@ -65,7 +65,9 @@ class TensorCoreConv:
     padded to its tiles (the padding gathers zeros). Spatial padding is ``halo.staged_source``'s
     zero-haloed copy, which the rule inlines into the gather: the image-bounds guard sits on the
     shared tile's load, not in the MMA. The epilogue (post-ops, cast, padding store) is inlined
-    into the store from the accumulator; block predicates are kept (``dlight_style``).
+    into the store from the accumulator; block predicates are kept (``dlight_style``). bf16
+    (uint16 bits in the arguments, the staged copy included) goes through ``cuda_bf16``, which
+    runs the same rule with bf16 fragments.
 
     Only where M, N and K each exceed ``GEMM_MIN`` (smaller GEMMs leave most of a 128 x 128
     tile idle). Grouped convolutions (an output channel indexes the source too: no GEMM) and
@@ -78,13 +80,15 @@ class TensorCoreConv:
             return None
         from tvm.s_tir.dlight.gpu.matmul import MatmulTensorization
 
-        return dlight_style(staged_source(func), target,
-                            lambda f, t: MatmulTensorization().apply(f, t, False))
+        from .cuda_bf16 import tensorized
+
+        return dlight_style(staged_source(func), target, lambda f, t: (
+            tensorized(f, t) or MatmulTensorization().apply(f, t, False)))
 
 
 def _tensor_core_gemm(func) -> bool:
     """Whether ``func``'s ``acc`` block is a GEMM (dlight's iter traits) with fp16 sources
-    and M, N and K each above ``GEMM_MIN``."""
+    (or uint16: bf16 bits) and M, N and K each above ``GEMM_MIN``."""
     from tvm.s_tir.dlight.gpu.matmul import IterKind, detect_iter_traits
 
     blocks = []

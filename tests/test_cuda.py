@@ -249,6 +249,13 @@ TC_CONVS = {   # fp16, GEMM M, N, K each > 64 but no multiple of the 128 x 128 x
                              "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]},
     "conv_f16_stage_dst_stage": {**_TC_CONV, "shape": [1, 20, 9, 9], "channels": 72,
                                  "spatial_pad": "stage", "policy": "dst_stage"},
+    # bf16 (uint16 bits in the arguments and in halo.staged_source's copy): cuda_bf16's
+    # fragments
+    "conv_bf16_fused": {**_TC_CONV, "dtype": "bfloat16", "shape": [1, 30, 9, 9],
+                        "channels": 70, "post_ops": [{"kind": "bias"}]},
+    "conv_bf16_stage_dst_stage": {**_TC_CONV, "dtype": "bfloat16", "shape": [1, 20, 9, 9],
+                                  "channels": 72, "weights": "OIhw16i16o2i",
+                                  "spatial_pad": "stage", "policy": "dst_stage"},
 }
 
 
@@ -280,13 +287,19 @@ def emulate_tensor_cores(kernel, out):
         func = schedule(kernel.func, get_target("cuda-sm80"))
     assert 'scope="wmma.accumulator"' in func.script(), "not the tensor-core schedule"
     rng = np.random.default_rng(0)
-    args = [rng.standard_normal([int(x) for x in p.shape]).astype(str(p.dtype))
-            for p in kernel.func.params]
+    args = [_random(rng, [int(x) for x in p.shape], str(p.dtype)) for p in kernel.func.params]
     expected = [a.copy() for a in args]
     run_serially(func)(*args)
     tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"](*expected)
     np.save(f"{out}-got.npy", args[-1])
     np.save(f"{out}-expected.npy", expected[-1])
+
+
+def _random(rng, shape, dtype):
+    """Standard normal values; a uint16 parameter holds bf16 bits."""
+    if dtype == "uint16":
+        return rng.standard_normal(shape).astype(bp.layout.numpy_dtype("bfloat16")).view(dtype)
+    return rng.standard_normal(shape).astype(dtype)
 
 
 @pytest.fixture(scope="session")
@@ -384,50 +397,58 @@ def disassemble(fatbin, tmp_path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target_name", list(ARCHS))
-def test_fp16_conv_runs_on_tensor_cores(tensor_core_kernels, target_name):
+def test_fp16_and_bf16_conv_run_on_tensor_cores(tensor_core_kernels, target_name):
     """Implicit GEMM: source windows gathered (im2col, never materialised) and weights staged
     in dynamic shared memory by all threads, 16x16x16 wmma fragments loaded from there, fp32
     accumulation; one kernel (epilogue fused); spatial padding guarded in the gather; the
-    dst_stage predicate kept."""
+    dst_stage predicate kept. bf16 stays uint16 bits in the arguments."""
     cc = ARCHS[target_name]
     tir = {}
     for name in TC_CONVS:
         source, fatbin, ptx, params, tir[name] = tensor_core_kernel(tensor_core_kernels, name,
                                                                     target_name)
+        dtype = TC_CONVS[name]["dtype"]
         assert "nvcuda::wmma::mma_sync" in source, name
         assert re.search(rf"^\.target sm_{cc}$", ptx, re.M) and ptx.count(".entry") == 1, name
         mma = re.findall(rf"^\s*wmma\.mma\.sync\.aligned\.row\.col\."
-                         rf"{TENSOR_CORES['float16'][0]}", ptx, re.M)
+                         rf"{TENSOR_CORES[dtype][0]}", ptx, re.M)
         assert len(mma) >= 8, name
+        element = {"float16": "shared.f16", "bfloat16": "bf16"}[dtype]
         for operand in ("a.sync.aligned.row", "b.sync.aligned.col"):
-            assert f"wmma.load.{operand}.m16n16k16.shared.f16" in ptx, name
+            assert f"wmma.load.{operand}.m16n16k16.{element}" in ptx, name
+        if dtype == "bfloat16":
+            assert params[:2] == ["uint16", "uint16"] and "float32" in params[2:], name
         assert ".extern .shared" in ptx and "bar.sync" in ptx, name
         assert 'scope="shared.dyn"' in tir[name] and "T.tvm_mma_sync(" in tir[name], name
         assert {(1, cc), (2, cc)} <= set(fatbin_entries(fatbin)[0]), name
     assert re.search(r"src_pad_reindex_pad_shared_dyn\[.*\] = T\.if_then_else\(.*"
                      r"T\.if_then_else\(1 <= ", tir["conv_f16_fused"])   # the halo guard
-    assert re.search(r"T\.where\(.* and not .*>= 72\)", tir["conv_f16_stage_dst_stage"])
+    for name in ("conv_f16_stage_dst_stage", "conv_bf16_stage_dst_stage"):
+        assert re.search(r"T\.where\(.* and not .*>= 72\)", tir[name]), name
+    assert re.search(r"src_pad_reindex_pad_shared_dyn\[.*\] = T\.if_then_else\(.*"
+                     r"T\.if_then_else\(1 <= .*T\.reinterpret\(\"bfloat16\", src\[",
+                     tir["conv_bf16_fused"])   # the halo guard around the bits read as bf16
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(cuobjdump() is None, reason="the SASS check needs cuobjdump and nvdisasm "
                     "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm; .ci/run does)")
 @pytest.mark.parametrize("target_name", list(ARCHS))
-def test_fp16_conv_sass_has_hmma(tensor_core_kernels, target_name, tmp_path):
-    for name in TC_CONVS:
+def test_fp16_and_bf16_conv_sass_has_hmma(tensor_core_kernels, target_name, tmp_path):
+    for name, spec in TC_CONVS.items():
         sass = disassemble(tensor_core_kernel(tensor_core_kernels, name, target_name)[1],
                            tmp_path)
         assert f"code for sm_{ARCHS[target_name]}" in sass, name
-        assert TENSOR_CORES["float16"][1] in sass, name
+        assert TENSOR_CORES[spec["dtype"]][1] in sass, name
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(TC_CONVS))
-def test_fp16_tensor_core_conv_algorithm_on_the_cpu(tensor_core_kernels, name):
+def test_tensor_core_conv_algorithm_on_the_cpu(tensor_core_kernels, name):
     """The tensor-core schedule with each wmma intrinsic as the loops it replaces, run serially
     on the CPU (``emulate_tensor_cores`` says what that covers) against the unscheduled kernel:
-    valid outputs within fp16 rounding of fp32 sums, padding the plan leaves (dst_stage) exactly
-    the garbage it was."""
+    valid outputs within fp16 rounding of fp32 sums (bf16: exact products, fp32 sums),
+    padding the plan leaves (dst_stage) exactly the garbage it was."""
     got = np.load(tensor_core_kernels / f"{name}-got.npy")
     expected = np.load(tensor_core_kernels / f"{name}-expected.npy")
     assert not np.isnan(got).any() and np.abs(expected).max() > 1
@@ -492,8 +513,7 @@ def test_dst_stage_matmul_keeps_its_predicate():
     assert 'T.sblock("dst")' not in text and "acc_reindex_pad_local" in text   # dlight's rule
     assert re.search(r"T\.where\(.* and not .*>= 100\)", text)
     rng = np.random.default_rng(0)
-    args = [rng.standard_normal([int(x) for x in p.shape]).astype(str(p.dtype))
-            for p in kernel.func.params]
+    args = [_random(rng, [int(x) for x in p.shape], str(p.dtype)) for p in kernel.func.params]
     expected = [a.copy() for a in args]
     run_serially(func)(*args)
     tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"](*expected)
@@ -642,8 +662,7 @@ def test_scheduled_algorithm_matches_the_kernel_on_the_cpu(name):
     scheduled = run_serially(schedule(kernel.func, get_target("cuda-sm80")))
     reference = tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"]
     rng = np.random.default_rng(0)
-    args = [rng.standard_normal([int(x) for x in p.shape]).astype(str(p.dtype))
-            for p in kernel.func.params]   # garbage in dst: padding the plan leaves must stay
+    args = [_random(rng, [int(x) for x in p.shape], str(p.dtype)) for p in kernel.func.params]   # garbage in dst: padding the plan leaves must stay
     expected = [a.copy() for a in args]
     scheduled(*args)
     reference(*expected)
