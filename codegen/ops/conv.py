@@ -6,7 +6,7 @@
 with g = k // (K/G) the group of output channel k. Weights are ``(K, C, KH, KW)`` (``oihw``
 family) for ``groups = 1`` and ``(G, K/G, C/G, KH, KW)`` (``goihw``) otherwise; depthwise is
 ``groups = C`` (e.g. ``Goihw16g``). ``dilation = 1`` is a dense kernel (PyTorch's convention,
-oneDNN's 0). ``pad`` is symmetric. Element types as matmul's (``matmul._types``): float32
+oneDNN's 0). ``pad`` is symmetric. Element types as matmul's (``postops.types``): float32
 (float64, float16 too); int8: ``uint8``/``int8`` source x ``int8`` weights accumulated in int32,
 then ``dst = scale[k] * acc`` (+ post-ops) in float32; or ``bfloat16`` x ``bfloat16``
 accumulated in float32, bias and post-ops in float32, a float32 destination. bf16 is kept as its
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import te, tirx
+from tvm import te
 
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
@@ -41,7 +41,6 @@ from blockpad.layout import Layout
 from ..policy import plan
 from . import postops
 from .common import OpDef, Source, int_pair, materialize, propagates_zero
-from .matmul import BF16, _types
 
 TENSORS = ("src", "weights", *postops.TENSORS, "dst")
 PARAMS = {"channels": None, "kernel": [1, 1], "stride": [1, 1], "pad": [0, 0],
@@ -102,10 +101,10 @@ def signature(shape, dtype, params):
     weights and float32 post-op tensors and destination."""
     geo = Geometry.of(tuple(shape), *(params[p] for p in
                       ("channels", "kernel", "stride", "pad", "dilation", "groups")))
-    wei, _, out = _types(dtype)
+    wei, _, out = postops.types(dtype)
     dst = (geo.n, geo.k, *geo.out)
     return {"src": (tuple(shape), dtype), "weights": (geo.weights, wei),
-            **postops.tensors(params["post_ops"], dst, geo.k, out if dtype == BF16 else dtype),
+            **postops.tensors(params["post_ops"], dst, geo.k, dtype),
             "dst": (dst, out)}
 
 
@@ -122,11 +121,7 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
     reads_padding = c_red > cg
     halo_covers = all(p <= min(h) for p, h in zip(geo.pad, src.paddings[2:]))
     staged = spatial_pad == "stage" and not halo_covers
-    acc = _types(src.dtype)[1]
-    bits = "uint16" if src.dtype == BF16 else None
-
-    def elem(v):
-        return (tirx.reinterpret(BF16, v) if bits else v).astype(acc)
+    bits, elem = postops.dot_operand(src.dtype)
 
     def opdef(mode):
         x, w = Source("src", src, mode, bits), Source("weights", wei, mode, bits)

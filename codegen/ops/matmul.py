@@ -15,7 +15,7 @@ there, so it reads source padding.
 
 from __future__ import annotations
 
-from tvm import te, tirx
+from tvm import te
 
 from blockpad.errors import SpecError
 
@@ -25,12 +25,6 @@ from .common import OpDef, Source, materialize, propagates_zero
 
 TENSORS = ("src", "weights", *postops.TENSORS, "dst")
 PARAMS = {"n": None, "post_ops": []}
-BF16 = "bfloat16"
-
-
-def _types(dtype: str) -> tuple:
-    """``(weights, accumulator, destination)``: ``postops.types``, plus bf16 -> fp32."""
-    return (BF16, "float32", "float32") if dtype == BF16 else postops.types(dtype)
 
 
 def signature(shape, dtype, params):
@@ -39,10 +33,10 @@ def signature(shape, dtype, params):
     if len(shape) != 2 or not isinstance(n, int) or n < 1:
         raise SpecError(f"matmul: shape is the source's (M, K) and n a positive integer; got "
                         f"shape {list(shape)}, n {n!r}")
-    wei, _, out = _types(dtype)
+    wei, _, out = postops.types(dtype)
     dst = (shape[0], n)
     return {"src": (tuple(shape), dtype), "weights": ((shape[1], n), wei),
-            **postops.tensors(params["post_ops"], dst, n, out if dtype == BF16 else dtype),
+            **postops.tensors(params["post_ops"], dst, n, dtype),
             "dst": (dst, out)}
 
 
@@ -50,19 +44,15 @@ def make(layouts, name, policy, n=None, post_ops=()):
     src, wei, dst = layouts["src"], layouts["weights"], layouts["dst"]
     k_red = min(src.padded_shape[1], wei.padded_shape[0])
     reads_padding = k_red > src.shape[1]
-    acc = _types(src.dtype)[1]
-    bits = "uint16" if src.dtype == BF16 else None
+    bits, widen = postops.dot_operand(src.dtype)
 
     def opdef(mode):
         a, b = Source("src", src, mode, bits), Source("weights", wei, mode, bits)
         post = postops.Chain(post_ops, layouts, mode)
         rk = te.reduce_axis((0, k_red), "rk")
 
-        def elem(x):
-            return (tirx.reinterpret(BF16, x) if bits else x).astype(acc)
-
         def value(i, j):
-            return te.sum(elem(a(i, rk)) * elem(b(rk, j)), axis=[rk])
+            return te.sum(widen(a(i, rk)) * widen(b(rk, j)), axis=[rk])
 
         return OpDef("matmul", [a, b, *post.sources.values()], value, reduce=True,
                      epilogue=post, reads_padding=reads_padding,

@@ -45,14 +45,33 @@ TENSORS = ("scale", "bias", "sum")   # argument order
 DEFAULT_TAGS = {"scale": "a", "bias": "a"}   # 1-D: a spec may leave their layouts out
 
 
+BF16 = "bfloat16"   # in kernel arguments as its uint16 bits: numpy and DLPack have no bf16
+
+
 def types(dtype: str) -> tuple:
     """``(weights, accumulator, destination)`` element types for a source of ``dtype``."""
     if dtype in INTEGER:
         return "int8", "int32", "float32"
+    if dtype == BF16:
+        return BF16, "float32", "float32"
     if dtype not in ACCUMULATOR:
-        raise SpecError(f"dtype: expected one of {', '.join([*ACCUMULATOR, *INTEGER])} (the "
-                        f"source's); got {dtype!r}")
+        raise SpecError(f"dtype: expected one of {', '.join([*ACCUMULATOR, BF16, *INTEGER])} "
+                        f"(the source's); got {dtype!r}")
     return dtype, ACCUMULATOR[dtype], dtype
+
+
+def dot_operand(dtype: str) -> tuple:
+    """``(bits, widen)`` for the sources of a dot product (matmul, conv) of ``dtype``: the
+    storage type their Sources are declared with (uint16 for bf16, else None: their own), and
+    the function that turns a loaded element into the accumulator type (bf16: reinterpret the
+    bits first)."""
+    acc = types(dtype)[1]
+    bits = "uint16" if dtype == BF16 else None
+
+    def widen(v):
+        return (tirx.reinterpret(BF16, v) if bits else v).astype(acc)
+
+    return bits, widen
 
 
 def check(post_ops) -> list[dict]:
