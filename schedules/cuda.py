@@ -158,6 +158,18 @@ class KeptPredicates:
         return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, put))
 
 
+def predicated_schedule(func, steps):
+    """``steps(sch)`` applied to ``func`` without its block predicates, which are put back
+    afterwards (``KeptPredicates``); None where a schedule primitive refuses the nest."""
+    kept = KeptPredicates(func)
+    sch = s_tir.Schedule(kept.strip(func))
+    try:
+        steps(sch)
+    except s_tir.ScheduleError:
+        return None
+    return s_tir.Schedule(kept.restore(sch.mod["main"]))
+
+
 def _substitute(expr, mapping: dict):
     return tvm_ffi.structural_map(expr, (tirx.Var, lambda v: next(
         (new for old, new in mapping.items() if v.same_as(old)), v)))

@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import math
 
-from tvm import s_tir
-
 from .common import op_of
-from .cuda import THREADS, KeptPredicates, bind_spatial, loop_depth, pow2_above, uses
+from .cuda import THREADS, bind_spatial, loop_depth, pow2_above, predicated_schedule, uses
 
 EXP_BYTES = 32 << 10   # the largest exp tile kept in shared memory
 SPATIAL = 0            # IterVar type
@@ -45,13 +43,7 @@ class Softmax:
     def apply(self, func, target):
         if op_of(func) not in self.ops:
             return None
-        kept = KeptPredicates(func)
-        sch = s_tir.Schedule(kept.strip(func))
-        try:
-            _softmax(sch)
-        except s_tir.ScheduleError:
-            return None
-        return s_tir.Schedule(kept.restore(sch.mod["main"]))
+        return predicated_schedule(func, _softmax)
 
 
 class Pool:
@@ -60,18 +52,16 @@ class Pool:
     def apply(self, func, target):
         if op_of(func) not in self.ops:
             return None
-        kept = KeptPredicates(func)
-        sch = s_tir.Schedule(kept.strip(func))
-        try:
-            dst, acc = sch.get_sblock("dst"), sch.get_sblock("acc")
-            bind_spatial(sch, dst)
-            sch.set_scope(acc, 0, "local")
-            sch.compute_at(acc, sch.get_loops(dst)[-1])
-            for loop in sch.get_loops(acc)[len(sch.get_loops(dst)):]:
-                sch.unroll(loop)
-        except s_tir.ScheduleError:
-            return None
-        return s_tir.Schedule(kept.restore(sch.mod["main"]))
+        return predicated_schedule(func, _pool)
+
+
+def _pool(sch):
+    dst, acc = sch.get_sblock("dst"), sch.get_sblock("acc")
+    bind_spatial(sch, dst)
+    sch.set_scope(acc, 0, "local")
+    sch.compute_at(acc, sch.get_loops(dst)[-1])
+    for loop in sch.get_loops(acc)[len(sch.get_loops(dst)):]:
+        sch.unroll(loop)
 
 
 def _softmax(sch):
