@@ -15,13 +15,17 @@
   (schedules/x86_conv.py), which reads loops and index expressions only: register tiles of
   4-lane accumulators fed by by-element ``fmla`` (``target.tile_registers``: 20 of the 32 q
   registers), the halo staged out of the hot loop.
+* Softmax and pooling: x86's reduction rules (schedules/x86_reduction.py), likewise written
+  against loops, index expressions and the vector width: rows tiled so that the source stays
+  in cache between the statistics and the store, statistics vectorised along the 4-lane
+  channel block.
 * Anything else: ``generic.Fallback`` (schedules/__init__.py), after ``vector_math`` where the
   kernel calls exp/erf/tanh/sigmoid (``vector_math.VectorMath``).
 """
 
 from __future__ import annotations
 
-from . import x86, x86_conv
+from . import x86, x86_conv, x86_reduction
 from .dot_tiled import DotTiled
 from .elementwise import Elementwise
 from .vector_math import VectorMath, vector_math
@@ -53,4 +57,5 @@ class Sdot(DotTiled):
         return register()
 
 
-RULES = [x86.DataMovement(), Elementwise(), Sdot(), x86_conv.RegisterTiled(), VectorMath()]
+RULES = [x86.DataMovement(), Elementwise(), Sdot(), x86_conv.RegisterTiled(),
+         *x86_reduction.RULES, VectorMath()]
