@@ -443,3 +443,10 @@ def test_register_tiled_takes_bf16_convolutions():
     for target in ("host", "avx512"):
         for entry in (BF16_CONV, BF16_CASES["plain_strided"]):
             assert RegisterTiled().apply(_kernels(entry)[0].func, get_target(target)) is not None
+
+
+def test_bf16_zero_propagation_is_derived():
+    """bf16 sources are read as uint16 bits: zero bits reinterpret to +0.0, so a bias-free bf16
+    convolution keeps the destination's padding zero by its arithmetic, as fp32 does."""
+    assert _kernels(BF16_CASES["blocked_16o"])[0].contract["dst_writes"] == "full"
+    assert _kernels(BF16_CONV)[0].contract["dst_writes"] == "select"   # bias

@@ -214,18 +214,29 @@ def _value_is_zero(opdef: OpDef, idx, bounds) -> bool:
             return zero
         acc = tirx.const(0, dtype_of(val)) if zero else tirx.Var("acc", dtype_of(val))
         val = opdef.epilogue(acc, idx)
-    return _is_zero_const(ana.simplify(val))
+    return _is_zero_const(_simplify(ana, val))
 
 
 def _reduce_is_zero(red, ana: Analyzer) -> bool:
     if not isinstance(red, tirx.Reduce):
-        return _is_zero_const(ana.simplify(red))
+        return _is_zero_const(_simplify(ana, red))
     identity = red.combiner.identity_element
     if not all(_is_zero_const(i) for i in identity):
         return False            # a max over padding is not zero
     for axis in red.axis:
         ana.bind(axis.var, axis.dom)
-    return all(_is_zero_const(ana.simplify(s)) for s in red.source)
+    return all(_is_zero_const(_simplify(ana, s)) for s in red.source)
+
+
+def _simplify(ana: Analyzer, expr):
+    """``ana.simplify``, also through ``reinterpret`` of an all-zero bit pattern (bf16 sources
+    are read as their uint16 bits), which the simplifier leaves alone: zero bits are +0.0."""
+    def fold(call):
+        if getattr(call.op, "name", "") == "tirx.reinterpret" and _is_zero_const(call.args[0]):
+            return tirx.const(0, dtype_of(call))
+        return call
+
+    return ana.simplify(tvm_ffi.structural_map(ana.simplify(expr), (tvm.ir.expr.Call, fold)))
 
 
 def _is_zero_const(e) -> bool:
