@@ -30,6 +30,7 @@ from tvm import s_tir, tirx
 from .common import op_of
 
 THREADS = 256   # threads per block: 8 warps, enough to hide latency at full occupancy
+TENSOR_CORE_MIN = 64   # dlight's minimal_tensorize_threshold: M, N and K must each exceed it
 
 
 class Elementwise:
@@ -158,16 +159,21 @@ class KeptPredicates:
         return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, put))
 
 
-def predicated_schedule(func, steps):
+def predicated_schedule(func, steps, align=None):
     """``steps(sch)`` applied to ``func`` without its block predicates, which are put back
-    afterwards (``KeptPredicates``); None where a schedule primitive refuses the nest."""
+    afterwards (``KeptPredicates``), and with ``align``-byte compact parameters if asked
+    (``aligned_params``: put back likewise); None where ``steps`` returns False or a schedule
+    primitive refuses the nest."""
     kept = KeptPredicates(func)
-    sch = s_tir.Schedule(kept.strip(func))
+    func = kept.strip(func)
+    func, restore = aligned_params(func, align) if align else (func, lambda f: f)
+    sch = s_tir.Schedule(func)
     try:
-        steps(sch)
+        if steps(sch) is False:
+            return None
     except s_tir.ScheduleError:
         return None
-    return s_tir.Schedule(kept.restore(sch.mod["main"]))
+    return s_tir.Schedule(kept.restore(restore(sch.mod["main"])))
 
 
 def _substitute(expr, mapping: dict):

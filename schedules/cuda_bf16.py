@@ -30,8 +30,9 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir import expr as ir_expr
 
+from .cuda import TENSOR_CORE_MIN
+
 BF16 = "bfloat16"
-MIN_EXTENT = 64   # dlight's minimal_tensorize_threshold: M, N and K must each exceed it
 
 
 def tensor_core_matmul(func, target):
@@ -105,7 +106,7 @@ def _large_enough(func) -> bool:
             extents.extend(iv.dom.extent for iv in block.iter_vars)
 
     tvm_ffi.structural_walk(func, (s_tir.SBlock, visit))
-    return bool(extents) and all(isinstance(e, tirx.IntImm) and e.value > MIN_EXTENT
+    return bool(extents) and all(isinstance(e, tirx.IntImm) and e.value > TENSOR_CORE_MIN
                                  for e in extents)
 
 

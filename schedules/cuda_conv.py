@@ -40,8 +40,8 @@ import tvm_ffi
 from tvm import s_tir
 
 from .common import op_of
-from .cuda import (KeptPredicates, aligned_params, bind_spatial, dlight_style, loop_depth,
-                   pow2_above, uses)
+from .cuda import (TENSOR_CORE_MIN, bind_spatial, dlight_style, loop_depth, pow2_above,
+                   predicated_schedule, uses)
 from .generic import root_blocks
 from .halo import staged_source
 
@@ -50,7 +50,6 @@ THREADS = 256             # most threads in a block
 SHARED_BYTES = 40 << 10   # shared memory a step may stage (48 KiB static, some slack)
 STEPS = (16, 8, 4, 2, 1)  # channel steps tried, the largest that fits first
 
-GEMM_MIN = 64             # dlight's minimal_tensorize_threshold, on the GEMM's M, N and K
 TENSOR_CORE_SOURCES = ("float16", "uint16")   # uint16: bf16 bits (cuda_bf16 declines others)
 
 
@@ -69,7 +68,7 @@ class TensorCoreConv:
     (uint16 bits in the arguments, the staged copy included) goes through ``cuda_bf16``, which
     runs the same rule with bf16 fragments.
 
-    Only where M, N and K each exceed ``GEMM_MIN`` (smaller GEMMs leave most of a 128 x 128
+    Only where M, N and K each exceed ``TENSOR_CORE_MIN`` (smaller GEMMs leave most of a 128 x 128
     tile idle). Grouped convolutions (an output channel indexes the source too: no GEMM) and
     whatever the rule cannot tensorize return None: ``DirectConv`` takes them."""
 
@@ -88,7 +87,7 @@ class TensorCoreConv:
 
 def _tensor_core_gemm(func) -> bool:
     """Whether ``func``'s ``acc`` block is a GEMM (dlight's iter traits) with fp16 sources
-    (or uint16: bf16 bits) and M, N and K each above ``GEMM_MIN``."""
+    (or uint16: bf16 bits) and M, N and K each above ``TENSOR_CORE_MIN``."""
     from tvm.s_tir.dlight.gpu.matmul import IterKind, detect_iter_traits
 
     blocks = []
@@ -102,7 +101,7 @@ def _tensor_core_gemm(func) -> bool:
         return False
     dims = {kind: math.prod(int(t.extent) for t in traits[3] if t.kind == kind)
             for kind in (IterKind.kIter_I, IterKind.kIter_J, IterKind.kIter_K)}
-    return all(d > GEMM_MIN for d in dims.values())
+    return all(d > TENSOR_CORE_MIN for d in dims.values())
 
 
 class DirectConv:
@@ -113,15 +112,7 @@ class DirectConv:
             return None
         # scheduled over compact parameters (the shared tiles copy a parameter's declaration,
         # symbolic element offset included); the layouts' own ones are put back afterwards
-        kept = KeptPredicates(func)
-        compact, restore = aligned_params(kept.strip(staged_source(func)), 16)
-        sch = s_tir.Schedule(compact)
-        try:
-            if not _conv(sch):
-                return None
-        except s_tir.ScheduleError:
-            return None
-        return s_tir.Schedule(kept.restore(restore(sch.mod["main"])))
+        return predicated_schedule(staged_source(func), _conv, align=16)
 
 
 class _Roles:
