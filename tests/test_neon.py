@@ -303,33 +303,39 @@ def _expected_padding(contract, has_stage):
     return "any"
 
 
-def test_eltwise_and_binary_match_numpy_under_each_policy(neon_dir, neon_lib, rng):
-    calls, checks = [], []
-    for name, sig in neon_lib.items():
-        if sig.op not in ("eltwise", "binary"):
+def _queue(calls, name, sig, args, dst):
+    """Queue ``name``'s call, and its destination zero-pad stage where the policy has one;
+    return what the destination padding must hold afterwards."""
+    calls.append((name, args))
+    stage = sig.padding.get("dst_stage")
+    if stage:
+        calls.append((stage, [dst]))
+    return _expected_padding(sig.padding, bool(stage))
+
+
+def _unary_calls(lib, rng, ops):
+    """For every kernel of ``ops`` (sources, then the destination): its calls on random
+    sources (NaN in source padding the kernel promises to mask, NaN in the destination) and
+    per kernel its sources, destination and what the destination padding must hold."""
+    calls, kernels = [], []
+    for name, sig in lib.items():
+        if sig.op not in ops:
             continue
-        contract = sig.padding
-        masked = contract["reads"] == "masked"   # the kernel must ignore source padding
+        masked = sig.padding["reads"] == "masked"   # the kernel must ignore source padding
         srcs = [_source(lay, rng, dirty_padding=masked) for _, role, lay, _ in sig.args[:-1]]
         dst = _fill_dst(sig.args[-1][2])
-        calls.append((name, [*srcs, dst]))
-        stage = contract.get("dst_stage")
-        if stage:
-            calls.append((stage, [dst]))
-        checks.append((name, sig, srcs, dst, _expected_padding(contract, bool(stage))))
-    policies = {sig.padding["policy"] for _, sig, *_ in checks}
-    assert len(checks) >= 12 and set(POLICIES) <= policies
+        kernels.append((name, sig, srcs, dst, _queue(calls, name, sig, [*srcs, dst], dst)))
+    return calls, kernels
+
+
+def test_eltwise_and_binary_match_numpy_under_each_policy(neon_dir, neon_lib, rng):
+    calls, kernels = _unary_calls(neon_lib, rng, ("eltwise", "binary"))
+    policies = {sig.padding["policy"] for _, sig, *_ in kernels}
+    assert len(kernels) >= 12 and set(POLICIES) <= policies
+    checks = [(name, REFERENCE[sig.params["algorithm"]](*[s.to_numpy() for s in srcs]), dst,
+               padding) for name, sig, srcs, dst, padding in kernels]
     qemu.run_many(neon_dir, calls)
-    for name, sig, srcs, dst, padding in checks:
-        algorithm = sig.params["algorithm"]
-        want = REFERENCE[algorithm](*[s.to_numpy() for s in srcs])
-        got = dst.to_numpy()
-        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6, err_msg=name)
-        pad = _padding(dst)
-        if padding == "zero":
-            assert np.all(pad == 0), f"{name}: destination padding not zero ({sig.padding})"
-        elif padding == "untouched":
-            assert np.all(np.isnan(pad)), f"{name}: wrote the padding it promised to leave alone"
+    _check(checks, tol=2e-6)
 
 
 def test_exp_covers_the_whole_fp32_range(neon_dir):
@@ -357,25 +363,22 @@ def _dot_calls(lib, rng, dtype):
         if sig.op not in ("matmul", "conv2d") or sig.args[0][2].dtype != dtype:
             continue
         args = dot_inputs(sig, rng)
-        calls.append((name, [args[a[0]] for a in sig.args]))
-        stage = sig.padding.get("dst_stage")
-        if stage:
-            calls.append((stage, [args["dst"]]))
-        checks.append((name, dot_reference(sig, args), args["dst"],
-                       _expected_padding(sig.padding, bool(stage))))
+        padding = _queue(calls, name, sig, [args[a[0]] for a in sig.args], args["dst"])
+        checks.append((name, dot_reference(sig, args), args["dst"], padding))
     return calls, checks
 
 
-def _check(checks, exact=True):
-    """Exact for int8: the unit-scale destination is the int32 sum (integers below 2**24 are
-    exact in float32), bias and relu rounded once, as numpy rounds them. fp32: the summation
-    order differs from numpy's float64."""
+def _check(checks, tol=None):
+    """Each destination against its numpy result, and its padding against what the contract
+    promises. ``tol`` None: exact (int8: the unit-scale destination is the int32 sum, integers
+    below 2**24 being exact in float32; bias and relu rounded once, as numpy rounds them);
+    else the relative and absolute tolerance (fp32: another summation order, polynomials)."""
     for name, want, dst, padding in checks:
         got = dst.to_numpy()
-        if exact:
+        if tol is None:
             np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=name)
         else:
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=name)
         pad = _padding(dst)
         if padding == "zero":
             assert np.all(pad == 0), f"{name}: destination padding not zero"
@@ -398,22 +401,13 @@ def test_fp32_conv_and_matmul_are_register_tiles_of_fmla(neon_lib, neon_asm):
 
 def test_fp32_conv_matmul_softmax_pool_match_numpy_under_each_policy(neon_dir, neon_lib, rng):
     calls, checks = _dot_calls(neon_lib, rng, "float32")
+    more_calls, kernels = _unary_calls(neon_lib, rng, ("softmax", "pool"))
     entries = {k.get("name"): k for k in SPEC["kernel"]}
-    for name, sig in neon_lib.items():
-        if sig.op not in ("softmax", "pool"):
-            continue
-        (_, _, src_l, _), (_, _, dst_l, _) = sig.args
-        src = _source(src_l, rng, dirty_padding=sig.padding["reads"] == "masked")
-        dst = _fill_dst(dst_l)
-        calls.append((name, [src, dst]))
-        stage = sig.padding.get("dst_stage")
-        if stage:
-            calls.append((stage, [dst]))
-        want = REFERENCES[sig.op](entries[name], src.to_numpy())
-        checks.append((name, want, dst, _expected_padding(sig.padding, bool(stage))))
+    checks += [(name, REFERENCES[sig.op](entries[name], src.to_numpy()), dst, padding)
+               for name, sig, (src,), dst, padding in kernels]
     assert len(checks) == 5 + 4 + 3
-    qemu.run_many(neon_dir, calls)
-    _check(checks, exact=False)
+    qemu.run_many(neon_dir, calls + more_calls)
+    _check(checks, tol=1e-5)
 
 
 def _sdot_hot_loop(funcs, name) -> dict:
