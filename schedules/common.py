@@ -1,6 +1,7 @@
 """Small facts every schedule module needs."""
 
 import tvm_ffi
+from tvm import tirx
 
 
 def op_of(func) -> str | None:
@@ -11,3 +12,13 @@ def op_of(func) -> str | None:
 def vector_lanes(target, dtype: str) -> int:
     """Elements of ``dtype`` in the target's widest vector register."""
     return max(1, target.vector_bytes // tvm_ffi.dtype(dtype).itemsize)
+
+
+def is_true(expr) -> bool:
+    """``expr`` is the constant true (a block without a predicate)."""
+    return isinstance(expr, tirx.IntImm) and expr.value == 1
+
+
+def divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` not above ``limit``."""
+    return max(k for k in range(1, min(n, limit) + 1) if n % k == 0)

@@ -27,7 +27,7 @@ import threading
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from .common import op_of
+from .common import is_true, op_of
 
 THREADS = 256   # threads per block: 8 warps, enough to hide latency at full occupancy
 TENSOR_CORE_MIN = 64   # dlight's minimal_tensorize_threshold: M, N and K must each exceed it
@@ -107,7 +107,7 @@ class KeptPredicates:
         self.stores = {}   # block name -> (buffer it stores, its iter vars = the store indices)
 
         def record(realize):
-            if _is_true(realize.predicate):
+            if is_true(realize.predicate):
                 return
             block = realize.block
             ivs = [iv.var for iv in block.iter_vars]
@@ -152,7 +152,7 @@ class KeptPredicates:
                 return realize
             pred = _substitute(pred, {iv.var: v for iv, v in zip(realize.block.iter_vars,
                                                                  realize.iter_values)})
-            if not _is_true(realize.predicate):
+            if not is_true(realize.predicate):
                 pred = tirx.And(realize.predicate, pred)
             return s_tir.SBlockRealize(realize.iter_values, pred, realize.block)
 
@@ -179,10 +179,6 @@ def predicated_schedule(func, steps, align=None):
 def _substitute(expr, mapping: dict):
     return tvm_ffi.structural_map(expr, (tirx.Var, lambda v: next(
         (new for old, new in mapping.items() if v.same_as(old)), v)))
-
-
-def _is_true(expr) -> bool:
-    return isinstance(expr, tirx.IntImm) and expr.value == 1
 
 
 def loop_depth(sch, block, loop) -> int:

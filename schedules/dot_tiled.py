@@ -51,7 +51,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.sym.analyzer import Analyzer
 
-from .common import op_of
+from .common import divisor_at_most, is_true, op_of
 from .generic import root_blocks, spatial_parallel_vectorize
 from .nest import substitute, uses
 
@@ -528,18 +528,10 @@ def _with_body(block, body):
                         block.init, block.alloc_buffers, block.match_buffers, block.annotations)
 
 
-def is_true(e) -> bool:
-    return isinstance(e, tirx.IntImm) and e.value == 1
-
-
-def _divisor_at_most(n: int, limit: int) -> int:
-    return max(k for k in range(1, min(n, limit) + 1) if n % k == 0)
-
-
 def _rows(n: int, limit: int) -> int:
     """Rows of a register tile over ``n``: a divisor of ``n`` up to ``limit``, unless that is
     less than half of the most even split (19 rows, limit 15: 10 + 9, one row predicated off
     in the last tile, rather than 19 tiles of 1)."""
     even = -(-n // -(-n // limit))
-    div = _divisor_at_most(n, limit)
+    div = divisor_at_most(n, limit)
     return div if 2 * div > even else even

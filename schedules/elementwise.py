@@ -21,7 +21,7 @@ import tvm_ffi
 from tvm import s_tir
 
 from . import generic
-from .common import op_of, vector_lanes
+from .common import is_true, op_of, vector_lanes
 from .nest import Nest
 from .vector_math import vector_math
 
@@ -118,7 +118,7 @@ class _Nest(Nest):
     def __init__(self, sch, block):
         super().__init__(sch, block)
         self.conditions = []
-        if not (isinstance(self.predicate, tvm.tirx.IntImm) and self.predicate.value == 1):
+        if not is_true(self.predicate):
             self.conditions.append(self.predicate)
 
         def visit(call):

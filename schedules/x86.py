@@ -34,7 +34,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from .common import op_of, vector_lanes
+from .common import divisor_at_most, op_of, vector_lanes
 from .generic import root_blocks
 from .nest import Nest, uses
 
@@ -102,7 +102,7 @@ def _tile(sch, block, lanes, itemsize):
         # tile: rows along the source-contiguous loop s, one vector of the destination each
         rows = nest.extents[s]
         if rows * nest.extents[d] * itemsize > TILE_BYTES:
-            rows = _divisor_at_most(rows, TILE_ROWS)
+            rows = divisor_at_most(rows, TILE_ROWS)
         s_loops = list(sch.split(loops[s], [None, rows])) if rows < nest.extents[s] else [loops[s]]
         outer = [s_loops[0] if i == s else loops[i] for i in range(top, d)
                  if not (i == s and len(s_loops) == 1)]
@@ -228,10 +228,6 @@ def _disjuncts(cond) -> list:
     if isinstance(cond, tirx.Or):
         return _disjuncts(cond.a) + _disjuncts(cond.b)
     return [cond]
-
-
-def _divisor_at_most(n: int, limit: int) -> int:
-    return max(k for k in range(1, min(n, limit) + 1) if n % k == 0)
 
 
 RULES = [DataMovement()]

@@ -51,7 +51,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.sym.analyzer import Analyzer
 
-from .common import op_of, vector_lanes
+from .common import is_true, op_of, vector_lanes
 from .halo import staged_source
 from .generic import root_blocks, spatial_parallel_vectorize
 
@@ -214,7 +214,7 @@ def _nest_shape(func):
     extents = [int(sch.get(l).extent) for l in loops]
     # a predicated block (the valid plan's) can be split but not reordered: its columns stay whole
     pred = _realize(sch, dst).predicate
-    predicated = not (isinstance(pred, tirx.IntImm) and pred.value == 1)
+    predicated = not is_true(pred)
     u = _weights_block_dim(block, n_sp)
     return (extents[-2], extents[-1], str(block.writes[0].source.dtype), predicated,
             extents[u] if u is not None else 1)
