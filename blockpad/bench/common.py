@@ -27,17 +27,22 @@ def batch_size(fn, batch_s=BATCH_S) -> int:
 
 
 def interleaved(contenders: dict, repeat: int) -> dict:
-    """``{name: fn}`` -> ``{name: median seconds per call}``, timing one batch of each contender
-    per round so that clock drift hits them all alike. Each round starts one contender later
-    than the last: what runs right after a given contender (its caches, its threads going to
-    sleep) is not always the same one's luck or burden."""
+    """``{name: fn}`` -> ``{name: median seconds per call}`` over ``interleaved_rounds``."""
+    return {name: statistics.median(t) for name, t in interleaved_rounds(contenders, repeat).items()}
+
+
+def interleaved_rounds(contenders: dict, repeat: int) -> dict:
+    """``{name: fn}`` -> ``{name: [seconds per call, one per round]}``, timing one batch of
+    each contender per round so that clock drift hits them all alike. Each round starts one
+    contender later than the last: what runs right after a given contender (its caches, its
+    threads going to sleep) is not always the same one's luck or burden."""
     sizes = {name: batch_size(fn) for name, fn in contenders.items()}
     times = {name: [] for name in contenders}
     names = list(contenders)
     for r in range(repeat):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(_time(contenders[name], sizes[name]) / sizes[name])
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def _time(fn, n) -> float:
