@@ -8,8 +8,11 @@ the ``Select`` of ``dst_fused``'s zero store. A condition that differs between t
 vector makes TVM scalarise the whole loop (or, for a Select, blend every vector). So the loops
 are partitioned where such a condition changes (the last, partial channel block; a vector that
 straddles a tensor's end) until it is the same for every lane of each piece, and the simplifier
-folds it away. The threads run over the whole first piece (one parallel launch, not one per
-channel block). exp, erf, tanh and sigmoid become polynomials first (``vector_math``).
+folds it away; a Select that still differs between the lanes of one vector is a blend. The
+threads run over the whole first piece (one parallel launch, not one per channel block); the
+tail's loops are its own, and it runs on the calling thread (a second launch measured slower
+at 2 threads than the 1/16 of the work it would share). exp, erf, tanh and sigmoid become
+polynomials first (``vector_math``).
 """
 
 from __future__ import annotations
@@ -93,10 +96,12 @@ def _partition(sch, block, vector):
     """Partition ``block``'s loops where a condition that depends on the innermost (vector)
     loop changes value, until each piece sees it the same in every lane; return the leaf blocks
     (each piece's nest begins with its piece of the partitioned loop). ``vector``: partition
-    the vector loop itself (the last step) rather than the loops around it. Loops are cut where
-    they are: ``reorder`` refuses the padding predicates (not an affine binding)."""
+    the vector loop itself (the last step) rather than the loops around it, and only for the
+    conditions a vector cannot keep: a Select that differs between lanes stays one blend
+    (cutting 8 lanes into 2 + 6 costs more). Loops are cut where they are: ``reorder`` refuses
+    the padding predicates (not an affine binding)."""
     nest = _Nest(sch, block)
-    conds = nest.lane_conditions()
+    conds = nest.lane_conditions(blends=not vector)
     if not conds:
         return [block]
     lane = len(nest.loops) - 1
@@ -117,7 +122,7 @@ class _Nest(Nest):
 
     def __init__(self, sch, block):
         super().__init__(sch, block)
-        self.conditions = []
+        self.conditions, self.blends = [], []
         if not is_true(self.predicate):
             self.conditions.append(self.predicate)
 
@@ -127,15 +132,17 @@ class _Nest(Nest):
 
         def visit_select(select):   # an index test (dst_fused's zero store), not a data test
             if not _reads(select.condition):
-                self.conditions.append(self.over_loops(select.condition))
+                self.blends.append(self.over_loops(select.condition))
         tvm_ffi.structural_walk(self.block.body, [(tvm.ir.expr.Call, visit),
                                                   (tvm.tirx.Select, visit_select)])
 
-    def lane_conditions(self) -> list:
+    def lane_conditions(self, blends=True) -> list:
         """The conditions that may differ between lanes: they use the vector loop, and the
-        ranges of the loops (a partitioned piece's included) do not decide them."""
+        ranges of the loops (a partitioned piece's included) do not decide them. ``blends``:
+        the Selects' too."""
         lane = len(self.loops) - 1
-        return [c for c in self.conditions
+        conds = self.conditions + (self.blends if blends else [])
+        return [c for c in conds
                 if self.uses(c, lane) and self.status(c) is None] if self.loops else []
 
 

@@ -198,3 +198,32 @@ def test_cleanup_for_custom_kernels():
     mem.buffer[BLK.padding_offsets()] = 3.0   # a user's own kernel wrote the padding
     mem.cleanup()
     assert mem.padding_is_zero() and np.all(mem.to_numpy() == 1)
+
+
+def test_dst_fused_tail_is_blended_in_whole_vectors(tmp_path, rng):
+    """The last, partial channel block of a dst_fused kernel whose op breaks zeros: its zero
+    store stays one blend per whole vector (not 8 lanes cut into 2 + 6), and the kernel makes
+    one parallel launch. Then the numbers, padding included."""
+    import re
+
+    from blockpad.codegen.targets import get_target
+    from blockpad.schedules import schedule
+
+    shape = [1, 42, 40, 40]   # the third 16c block has 10 real channels: 8 + 2 of 8 lanes
+    spec = {"library": {"policy": "dst_fused"}, "kernel": [
+        {"op": "eltwise", "name": "sigmoid", "shape": shape, "src": "nChw16c",
+         "dst": "nChw16c", "algorithm": "sigmoid"}]}
+    (kernel,) = make_kernels(parse_spec(spec).kernels[0])
+    tir = schedule(kernel.func, get_target("host")).script()
+    widths = [int(b or a) - int(a if b else 0)
+              for a, b in re.findall(r"T\.vectorized\((\d+)(?:, (\d+))?\)", tir)]
+    assert widths and set(widths) == {8}, widths
+    assert tir.count("T.parallel(") == 1, tir
+
+    bp.build(parse_spec(spec), "host", tmp_path, log=lambda m: None)
+    lay = bp.Layout("nChw16c", tuple(shape))
+    x = rng.standard_normal(shape).astype("float32")
+    dst = bp.Memory(lay, np.full(lay.alloc_len, np.nan, "float32"))
+    bp.load(tmp_path)["sigmoid"](bp.Memory.from_numpy(x, lay), dst)
+    np.testing.assert_allclose(dst.to_numpy(), 1 / (1 + np.exp(-x)), rtol=1e-5, atol=1e-6)
+    assert not np.any(dst.buffer.reshape(lay.physical_shape)[:, 2, :, :, 10:])   # padding zero
