@@ -61,8 +61,8 @@ def _elementwise(sch, block, target):
     # partitioned, which a fused loop cannot be); if none is left, inside each piece
     done = _parallel(sch, block, skip=0)
     for leaf in _partition(sch, block, vector=False):
-        if not done:   # a piece that starts past 0 (the tail) cannot be fused with the loops in it
-            _parallel(sch, leaf, skip=int(_Nest(sch, leaf).mins[0] != 0))
+        if not done and not any(_Nest(sch, leaf).mins):   # the first piece; the tail: serial
+            _parallel(sch, leaf, skip=0)
         for piece in _partition(sch, leaf, vector=True):
             vec = sch.get_loops(piece)[-1]
             if int(sch.get(vec).extent) > 1:

@@ -218,7 +218,10 @@ def test_dst_fused_tail_is_blended_in_whole_vectors(tmp_path, rng):
     widths = [int(b or a) - int(a if b else 0)
               for a, b in re.findall(r"T\.vectorized\((\d+)(?:, (\d+))?\)", tir)]
     assert widths and set(widths) == {8}, widths
-    assert tir.count("T.parallel(") == 1, tir
+    assert tir.count("T.parallel(") == 1, tir   # the tail's few rows on the calling thread
+    (kernel,) = make_kernels(parse_spec(spec).kernels[0])
+    tir = schedule(kernel.func, get_target("avx512")).script()   # 16 lanes: the block is one
+    assert tir.count("T.parallel(") == 1 and "T.vectorized(16)" in tir, tir
 
     bp.build(parse_spec(spec), "host", tmp_path, log=lambda m: None)
     lay = bp.Layout("nChw16c", tuple(shape))
