@@ -465,29 +465,44 @@ def _range(nest, back, start, suffix=None, scratch=None):
 
 
 def _shift(nest, var, offset, keep):
-    """``nest`` with ``var`` read as ``var + offset`` in the indices and regions of every
-    buffer but those of ``keep``."""
-    def at(e):
-        return tvm_ffi.structural_map(e, (tirx.Var, lambda x: x + offset if x.same_as(var)
-                                          else x))
+    """``nest`` with its blocks reading ``var`` as ``var + offset`` everywhere (indices, regions
+    and the guards of fused spatial padding or channel tails alike) but in the indices and
+    regions of the buffers of ``keep``."""
+    held = tirx.Var(var.name + "_kept", var.ty)   # ``var`` where ``keep``'s indices use it
+
+    def rename(e, old, new):
+        return tvm_ffi.structural_map(e, (tirx.Var, lambda x: new if x.same_as(old) else x))
 
     def kept(buf):
         return any(buf.same_as(k) for k in keep)
 
-    def load(l):
-        return l if kept(l.source) else tirx.BufferLoad(l.source, [at(i) for i in l.indices])
+    def hold_load(l):
+        return tirx.BufferLoad(l.source, [rename(i, var, held) for i in l.indices]) \
+            if kept(l.source) else l
 
-    def store(st):
-        return st if kept(st.buffer) else tirx.BufferStore(st.buffer, st.value,
-                                                             [at(i) for i in st.indices])
+    def hold_store(st):
+        return tirx.BufferStore(st.buffer, st.value, [rename(i, var, held) for i in st.indices]) \
+            if kept(st.buffer) else st
+
+    def shifted(stmt):
+        stmt = tvm_ffi.structural_map(stmt, [(tvm.ir.expr.TensorLoad, hold_load),
+                                             (tirx.BufferStore, hold_store)])
+        stmt = tvm_ffi.structural_map(stmt, (tirx.Var, lambda x: x + offset if x.same_as(var)
+                                             else x))
+        return rename(stmt, held, var)
 
     def region(r):
         return r if kept(r.source) else tirx.BufferRegion(r.source, [
-            tvm.ir.Range.from_min_extent(at(x.min), x.extent) for x in r.region])
+            tvm.ir.Range.from_min_extent(rename(x.min, var, var + offset), x.extent)
+            for x in r.region])
 
-    return tvm_ffi.structural_map(nest, [(tvm.ir.expr.TensorLoad, load),
-                                         (tirx.BufferStore, store),
-                                         (tvm.ir.expr.TensorRegion, region)])
+    def block(b):
+        return s_tir.SBlock(b.iter_vars, [region(r) for r in b.reads],
+                            [region(r) for r in b.writes], b.name_hint, shifted(b.body),
+                            shifted(b.init) if b.init is not None else None, b.alloc_buffers,
+                            b.match_buffers, b.annotations)
+
+    return tvm_ffi.structural_map(nest, (s_tir.SBlock, block))
 
 
 def _in_bounds(blk, body, acc_buf, extents) -> bool:
