@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from scipy.special import expit
 
 import blockpad as bp
@@ -238,6 +240,41 @@ def _check(kernel, entry, policy, rng):
         assert np.all(np.isnan(pad)), f"{name}: 'valid' kernel wrote the destination padding"
     assert np.all(np.isnan(whole[:GUARD])) and np.all(np.isnan(whole[-GUARD:])), \
         f"{name}: wrote outside the destination buffer"
+
+
+@st.composite
+def conv_entries(draw):
+    """A convolution of random geometry and layouts: odd sizes, strides, dilations, pads up to
+    the kernel's reach, fused or staged spatial padding, a zero-breaking post-op or none."""
+    kh, kw = draw(st.integers(1, 5)), draw(st.integers(1, 4))
+    dh, dw = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    ph, pw = draw(st.integers(0, dh * (kh - 1))), draw(st.integers(0, dw * (kw - 1)))
+    h = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 12))
+    w = draw(st.integers(9, 15))   # rows past a whole AVX-512 tile (7 or 8): an edge part
+    return {"op": "conv2d", "shape": [1, draw(st.integers(1, 33)), h, w],
+            "channels": draw(st.integers(1, 33)), "kernel": [kh, kw],
+            "stride": [draw(st.integers(1, 3)), draw(st.integers(1, 2))], "pad": [ph, pw],
+            "dilation": [dh, dw], "spatial_pad": draw(st.sampled_from(["fused", "stage"])),
+            "src": draw(st.sampled_from(["nchw", "nhwc", "nChw8c", "nChw16c"])),
+            "weights": draw(st.sampled_from(["oihw", "OIhw8i8o", "OIhw16i16o"])),
+            "dst": draw(st.sampled_from(["nchw", "nChw8c", "nChw16c"])),
+            "post_ops": draw(st.sampled_from([[], [{"kind": "bias"}], [{"kind": "bias"},
+                                                                          SIGMOID]]))}
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(entry=conv_entries(), policy=st.sampled_from(["dst_fused", "dst_stage"]))
+def test_conv_geometry_on_the_widest_target(tmp_path_factory, entry, policy):
+    """Random geometry through the register-tiled rule of the widest target this CPU runs
+    (its edge parts, clamped rows, whole-tile columns, fused guards): numbers, padding and
+    guards as ``_check`` has them. A fixed (derandomized) sample of 10 keeps the suite
+    fast; a fuzz over many seeds of specs like these found ``conv_dilated_tail``."""
+    target = "avx512" if HAVE_AVX512 else "host"
+    d = tmp_path_factory.mktemp("conv-geometry")
+    bp.build(parse_spec({"library": {"policy": policy},
+                         "kernel": [{**entry, "name": "conv"}]}), target, d, log=lambda m: None)
+    _check(bp.load(d)["conv"], entry, policy, np.random.default_rng(0))
 
 
 def test_staged_kernel_leaves_padding_to_its_zero_pad_stage(libs, rng):
