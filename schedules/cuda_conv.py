@@ -150,6 +150,9 @@ def _conv(sch) -> bool:
     for block in root_blocks(sch):
         if sch.get(block).name_hint.endswith("_extended"):
             sch.compute_inline(block)       # per-channel scale / bias: read in the epilogue
+    reads = [r.source.name for r in sch.get(acc).reads]
+    if not all(any(n.startswith(p) for n in reads) for p in ("src", "weights")):
+        return False    # a window wholly in the spatial padding: its reads folded to 0
     roles = _Roles(sch, acc)
     if not roles.channel or len(roles.step) != 1:
         return False

@@ -583,7 +583,10 @@ def _innermost_reduction(block, extents):
     """``(i, b)``: the innermost reduction loop should be ``b`` steps of reduction loop ``i``,
     the one that walks the first source's innermost dim (``r % b`` of a channel block, or ``r``
     itself for a contiguous dim such as nhwc's c), so that source and weights stream
-    contiguously. None when no reduction loop walks that dim."""
+    contiguously. None when no reduction loop walks that dim, or the block reads no source (a
+    window that lies wholly in the spatial padding: the simplifier folds its reads to 0)."""
+    if not block.reads:
+        return None
     idx = block.reads[0].region[-1].min
     block_size = None
     if isinstance(idx, tirx.FloorMod) and isinstance(idx.b, tirx.IntImm):

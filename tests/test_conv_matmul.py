@@ -493,3 +493,20 @@ def test_bf16_zero_propagation_is_derived():
     convolution keeps the destination's padding zero by its arithmetic, as fp32 does."""
     assert _kernels(BF16_CASES["blocked_16o"])[0].contract["dst_writes"] == "full"
     assert _kernels(BF16_CONV)[0].contract["dst_writes"] == "select"   # bias
+
+
+def test_window_wholly_in_the_padding(tmp_path, rng):
+    """One input row, a 2-row kernel of dilation 2 and pad 1: every tap of the output row lies
+    in the spatial padding, the simplifier folds the window's reads to 0, and the rules must
+    still schedule a nest that reads no source (the output is the bias)."""
+    from blockpad.schedules import schedule
+
+    entry = {"op": "conv2d", "shape": [1, 4, 1, 18], "channels": 4, "kernel": [2, 3],
+             "stride": [2, 2], "pad": [1, 2], "dilation": [2, 1], "src": "nChw4c",
+             "weights": "OIhw4i4o", "dst": "nChw4c", "post_ops": [{"kind": "bias"}]}
+    spec = parse_spec({"library": {}, "kernel": [{**entry, "name": "conv"}]})
+    (kernel,) = make_kernels(spec.kernels[0])
+    for target in ("host", "avx512", "neon", "cuda-sm80"):
+        assert schedule(kernel.func, get_target(target)) is not None
+    bp.build(spec, "host", tmp_path, log=lambda m: None)
+    _check(bp.load(tmp_path)["conv"], entry, "dst_fused", rng)
