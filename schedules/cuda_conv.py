@@ -150,8 +150,7 @@ def _conv(sch) -> bool:
     for block in root_blocks(sch):
         if sch.get(block).name_hint.endswith("_extended"):
             sch.compute_inline(block)       # per-channel scale / bias: read in the epilogue
-    reads = [r.source.name for r in sch.get(acc).reads]
-    if not all(any(n.startswith(p) for n in reads) for p in ("src", "weights")):
+    if _read(sch.get(acc), "src") is None or _read(sch.get(acc), "weights") is None:
         return False    # a window wholly in the spatial padding: its reads folded to 0
     roles = _Roles(sch, acc)
     if not roles.channel or len(roles.step) != 1:
@@ -310,8 +309,8 @@ def _guarded(block, buffer) -> bool:
 
 
 def _read(block, prefix):
-    """The read region of ``block`` whose buffer name starts with ``prefix``."""
-    return next(r for r in block.reads if r.source.name.startswith(prefix))
+    """The read region of ``block`` whose buffer name starts with ``prefix`` (None if none)."""
+    return next((r for r in block.reads if r.source.name.startswith(prefix)), None)
 
 
 def _indices(block, buffer):

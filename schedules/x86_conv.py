@@ -52,8 +52,9 @@ from tvm import s_tir, tirx
 from tvm.sym.analyzer import Analyzer
 
 from .common import is_true, op_of, vector_lanes
-from .halo import staged_source
 from .generic import root_blocks, spatial_parallel_vectorize
+from .halo import staged_source
+from .nest import substitute
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 SPATIAL, REDUCE = 0, 2   # IterVar types
@@ -470,30 +471,26 @@ def _shift(nest, var, offset, keep):
     regions of the buffers of ``keep``."""
     held = tirx.Var(var.name + "_kept", var.ty)   # ``var`` where ``keep``'s indices use it
 
-    def rename(e, old, new):
-        return tvm_ffi.structural_map(e, (tirx.Var, lambda x: new if x.same_as(old) else x))
-
     def kept(buf):
         return any(buf.same_as(k) for k in keep)
 
     def hold_load(l):
-        return tirx.BufferLoad(l.source, [rename(i, var, held) for i in l.indices]) \
+        return tirx.BufferLoad(l.source, [substitute(i, {var: held}) for i in l.indices]) \
             if kept(l.source) else l
 
     def hold_store(st):
-        return tirx.BufferStore(st.buffer, st.value, [rename(i, var, held) for i in st.indices]) \
+        return tirx.BufferStore(st.buffer, st.value,
+                                [substitute(i, {var: held}) for i in st.indices]) \
             if kept(st.buffer) else st
 
     def shifted(stmt):
         stmt = tvm_ffi.structural_map(stmt, [(tvm.ir.expr.TensorLoad, hold_load),
                                              (tirx.BufferStore, hold_store)])
-        stmt = tvm_ffi.structural_map(stmt, (tirx.Var, lambda x: x + offset if x.same_as(var)
-                                             else x))
-        return rename(stmt, held, var)
+        return substitute(substitute(stmt, {var: var + offset}), {held: var})
 
     def region(r):
         return r if kept(r.source) else tirx.BufferRegion(r.source, [
-            tvm.ir.Range.from_min_extent(rename(x.min, var, var + offset), x.extent)
+            tvm.ir.Range.from_min_extent(substitute(x.min, {var: var + offset}), x.extent)
             for x in r.region])
 
     def block(b):
