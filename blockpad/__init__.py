@@ -8,8 +8,8 @@ holds (the JIT, ``blockpad.jit``, registered here as the default cache's compile
 from .errors import (ArgumentError, BlockpadError, BuildError, LayoutError, LoadError,
                      MissingCPUFeatureError, SpecError)
 from .layout import Layout
-from .runtime import (Event, Graph, KernelCache, KernelNotFound, Library, Memory, Report, Stream,
-                      SubMemoryError, load)
+from .runtime import (Event, Graph, KernelCache, KernelNotFound, Library, Memory, Model, Report,
+                      Stream, SubMemoryError, load)
 from .runtime import cache as _cache
 from . import jit as _jit
 
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = ["ArgumentError", "BlockpadError", "BuildError", "Event", "Graph", "KernelCache",
            "KernelNotFound", "Layout", "LayoutError", "Library", "LoadError", "Memory",
-           "MissingCPUFeatureError", "Report", "SpecError", "Stream", "SubMemoryError", "build",
+           "MissingCPUFeatureError", "Model", "Report", "SpecError", "Stream", "SubMemoryError", "build",
            "jit_cache", "load"]
 
 

@@ -13,9 +13,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="blockpad", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("build", help="build a spec into a shared library + manifest.json")
-    p.add_argument("spec", help="TOML build spec")
-    p.add_argument("--target", default="host", help="target name (see `blockpad targets`)")
+    p = sub.add_parser("build", help="build a spec into a shared library + manifest.json, or "
+                       "an ONNX model into a folder that blockpad.load runs")
+    p.add_argument("spec", help="TOML build spec, or an ONNX model (.onnx)")
+    p.add_argument("--target", default="host", help="target name (see `blockpad targets`; "
+                   "native: the widest this CPU runs)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
     p.add_argument("--tuning-logs", metavar="DIR",
@@ -75,9 +77,17 @@ def main(argv=None) -> int:
 
 
 def _build(args):
+    if args.spec.endswith(".onnx"):
+        from .model_build import build_model
+
+        build_model(args.spec, args.target, args.out, force=args.force,
+                    tuning_logs=args.tuning_logs)
+        return
+    from .bench.common import native_target
     from .codegen.build import build
 
-    build(args.spec, args.target, args.out, force=args.force, tuning_logs=args.tuning_logs)
+    target = native_target() if args.target == "native" else args.target
+    build(args.spec, target, args.out, force=args.force, tuning_logs=args.tuning_logs)
 
 
 def _tune(args):

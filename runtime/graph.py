@@ -233,6 +233,7 @@ class Graph:
         self._weights: dict = {}      # (constant, Layout) -> prepared Memory
         self._weight_sums: dict = {}  # constant -> adler32 when its weights were prepared
         self._stale: set = set()
+        self._prepacked: set = set()  # constants held only in packed layouts (see prepacked)
 
     # ---- building -----------------------------------------------------------------------------
     def _fresh(self, base):
@@ -276,6 +277,28 @@ class Graph:
         self._changed()
         return Tensor(self, name, array.shape, dtype_name(array.dtype))
 
+    def prepacked(self, name, shape, dtype, memories) -> Tensor:
+        """A constant known only in the layouts its consumers read: ``memories`` (clean
+        Memories of its logical shape), e.g. the packed weights of an ahead-of-time model
+        build. They are used as they are, never reordered, and no plain copy is held (a
+        model's weights would otherwise take twice their memory); a plan that would read the
+        constant in another layout raises ArgumentError. ``set_constant`` gives it a plain
+        array again."""
+        if name in self._types:
+            raise ArgumentError(f"{name!r} is already a variable of this graph")
+        shape, dtype = tuple(int(s) for s in shape), dtype_name(dtype)
+        for mem in memories:
+            if mem.layout.dtype != dtype or math.prod(mem.layout.shape) != math.prod(shape):
+                raise ArgumentError(f"{name}: a prepacked memory of {list(shape)} {dtype} has "
+                                    f"layout {mem.layout}")
+            self._weights[(name, mem.layout)] = mem
+        # shape and dtype for planning, no data: a stride-0 view of one zero
+        self.constants[name] = np.broadcast_to(np.zeros((), numpy_dtype(dtype)), shape)
+        self._types[name] = (shape, dtype)
+        self._prepacked.add(name)
+        self._changed()
+        return Tensor(self, name, shape, dtype)
+
     def _keep(self, array):
         if self.weights == "frozen":
             array = np.array(array, order="C")       # a snapshot: the caller's later writes
@@ -294,6 +317,7 @@ class Graph:
         with self._lock:
             self.constants[name] = self._keep(array)
             self._stale.add(name)
+            self._prepacked.discard(name)
 
     def add_op(self, op, inputs, attrs=None, name=None, outputs=None, n_outputs=1):
         """Append an op (``op`` a key of graph_ops.OPS) and return its output Tensor(s)."""
@@ -515,6 +539,8 @@ class Graph:
             mem = self._weights.get(key)
             if mem is not None:
                 return mem
+            if cname in self._prepacked:
+                raise ArgumentError(_unpacked(cname, layout, self._weights))
             mem = Memory(layout, aligned_empty(layout.alloc_len, numpy_dtype(layout.dtype)),
                          library=_Runtime(self.policy, self.cache))
             self._weights[key] = mem
@@ -547,6 +573,12 @@ class Graph:
     def __repr__(self):
         return (f"<blockpad Graph {self.name}: {len(self.nodes)} ops, inputs "
                 f"{list(self.inputs)}, outputs {self.outputs}, policy {self.policy}>")
+
+
+def _unpacked(cname, layout, weights) -> str:
+    have = [str(lay) for c, lay in weights if c == cname]
+    return (f"{cname}: the plan reads this prepacked constant as {layout}; it is held only as "
+            f"{', '.join(have) or 'nothing'} (rebuild the model, or set_constant a plain array)")
 
 
 def _checksum(array) -> int:
@@ -663,6 +695,9 @@ class Plan:
         self._pool_lock = threading.Lock()
         self._build(input_layouts)
         self._plan_memory()
+        for s in self._storages:      # a prepacked constant has no plain bytes to read
+            if s.kind == "constant" and s.value in graph._prepacked and s.last is not None:
+                raise ArgumentError(_unpacked(s.value, s.bufs[0].layout, graph._weights))
 
     # -- construction --
     def _storage(self, kind):

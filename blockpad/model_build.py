@@ -1,0 +1,212 @@
+"""Ahead of time for a whole model: a ``bp.Graph`` (or an ONNX file, through
+``Graph.from_onnx``) -> a folder ``blockpad.load`` turns into a callable model (the format is
+``runtime/model.py``'s).
+
+1. **Plan** the graph for plain inputs with a probing cache, which answers every kernel request
+   with a placeholder and records it: the plan the runtime will make, and the kernels it calls.
+2. **Check** each recorded kernel can be generated (its TE, not compiled); one that cannot is
+   refused to the planner, which falls back as it would at run time, and planning repeats.
+3. **Build** them all into one library (``codegen.build``: one compile, its own up-to-date key).
+4. **Load** that library, plan again over it alone and compare with step 1, then pack every
+   constant into the layouts the plan reads it in and write the folder.
+
+The whole is keyed by the graph, its constants' bytes, the target, TVM's version and the code
+that generates kernels and plans; building again with the same key does nothing. This module
+sits above the runtime and the code generator (as ``blockpad.jit`` does): ``codegen/`` never
+imports the runtime's graph."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from blockpad.errors import BlockpadError, BuildError
+from blockpad.runtime import manifest as mf
+from blockpad.runtime import model as rm
+from blockpad.runtime.cache import KernelCache, Request
+from blockpad.runtime.graph import Graph
+from blockpad.runtime.memory import Memory
+
+
+class _Probed:
+    """A placeholder kernel: what the probing cache hands the planner."""
+
+    def __init__(self, request):
+        self.request = request
+
+
+class _Probe:
+    """A kernel cache that says yes to every request except those known to fail, and records
+    what it said yes to. Enough of KernelCache's interface for planning."""
+
+    def __init__(self, failed):
+        self.failed = failed
+        self.asked: dict = {}
+
+    def find(self, req: Request):
+        if req in self.failed:
+            return None
+        self.asked.setdefault(req, None)
+        return _Probed(req)
+
+
+def _regraph(g: Graph, cache) -> Graph:
+    """``g``'s ops and constants over another kernel cache."""
+    h = Graph(policy=g.policy, cache=cache, inplace=g.inplace, layouts=g.layouts, block=g.block,
+              fuse=tuple(g.fuse), name=g.name)
+    for name, (shape, dtype) in g.inputs.items():
+        h.input(name, shape, dtype)
+    for name, a in g.constants.items():
+        h.constant(name, a)
+    for n in g.nodes:
+        h.add_op(n.op, n.inputs, n.attrs, n.name, n.outputs)
+    h.output(*g.outputs)
+    return h
+
+
+def _generable(req: Request) -> str | None:
+    """None if the code generator can make ``req``'s kernel, else why not (scheduling it
+    for a target is the build's: a failure there is a bug, reported with the kernel's name)."""
+    from blockpad.codegen.build import make_kernels
+    from blockpad.codegen.spec import parse_spec
+
+    try:
+        spec = parse_spec({"kernel": [req.entry("probe")]}, "model kernel")
+        for k in spec.kernels:
+            make_kernels(k)
+    except BlockpadError as e:
+        return str(e)
+    return None
+
+
+def plan_kernels(g: Graph, log) -> tuple:
+    """Plan ``g`` and return (plan lines, the kernel requests the plan calls, refusals)."""
+    failed, refused = set(), {}
+    checked = set()
+    while True:
+        probe = _Probe(failed)
+        lines = rm.plan_lines(_regraph(g, probe))
+        new = [r for r in probe.asked if r not in checked]
+        for r in new:
+            checked.add(r)
+            why = _generable(r)
+            if why is not None:
+                failed.add(r)
+                refused[str(r)] = why
+        if not any(r in failed for r in new):
+            return lines, list(probe.asked), refused
+        log(f"planning again: {len(refused)} kernel(s) the generator cannot make, the plan "
+            f"falls back for them")
+
+
+def _entry_name(i, req) -> str:
+    return f"k{i:03d}_{req.op}"
+
+
+def build_key(g: Graph, doc: dict, target) -> str:
+    """Everything the folder depends on: the graph, the constants' bytes, the target, TVM, the
+    code generator (with the tuning records) and the runtime's planner."""
+    from blockpad import jit
+
+    h = hashlib.sha256(json.dumps([doc, target.name, mf.tvm_version()], sort_keys=True).encode())
+    for name, a in sorted(g.constants.items()):
+        a = np.ascontiguousarray(a)
+        h.update(f"{name} {a.shape} {a.dtype}".encode())
+        h.update(a.view(np.uint8).reshape(-1))
+    h.update(jit.fingerprint().encode())
+    for f in sorted(Path(rm.__file__).parent.glob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _up_to_date(out_dir, key) -> bool:
+    try:
+        doc = rm.read_doc(out_dir)
+        manifest = mf.read(out_dir)
+        return doc.get("build_key") == key and os.path.isfile(
+            os.path.join(out_dir, manifest["library"])) and \
+            os.path.getsize(os.path.join(out_dir, doc["weights"])) == doc["weights_bytes"]
+    except (BlockpadError, OSError, KeyError):
+        return False
+
+
+def _pack(g: Graph, plan) -> dict:
+    """Each constant in every layout the plan reads it in: packed for the weights its
+    kernels take blocked, plain where a step reads the constant as it is."""
+    from blockpad.runtime.graph_ops import plain
+
+    out = {}
+    for cname, buf in plan.weight_bufs:
+        lay = buf.layout
+        a = np.ascontiguousarray(g.constants[cname]).reshape(lay.shape)
+        out.setdefault(cname, {})[lay] = Memory.from_numpy(a, lay)
+    read_plain = {b.storage.value for st in plan.steps for b in st.reads
+                  if b.storage.kind == "constant"}
+    for cname, a in g.constants.items():
+        if cname in read_plain or cname not in out:
+            a = np.ascontiguousarray(a)
+            lay = plain(a.shape, str(a.dtype))
+            out.setdefault(cname, {})[lay] = Memory(lay, a.reshape(-1).copy())
+    return {k: list(v.values()) for k, v in out.items()}
+
+
+def build_model(source, target="host", out_dir="build/model", force=False, log=None,
+                tuning_logs=None) -> str:
+    """Build ``source`` (a ``bp.Graph``, an ONNX path or ModelProto) for ``target`` (a name;
+    ``native``: the widest this CPU runs) into ``out_dir``; return ``out_dir``."""
+    from blockpad.bench.common import native_target
+    from blockpad.codegen.build import build
+    from blockpad.codegen.spec import parse_spec
+    from blockpad.codegen.targets import get_target
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    start = time.perf_counter()
+    g = source if isinstance(source, Graph) else _from_onnx(source)
+    target = get_target(native_target() if target == "native" else target)
+    out_dir = os.fspath(out_dir)
+    doc = rm.graph_doc(g)
+    key = build_key(g, doc, target)
+    if not force and _up_to_date(out_dir, key):
+        log(f"{out_dir}: up to date ({len(g.nodes)} ops for {target.name}, build key "
+            f"{key[:12]}); nothing to do")
+        return out_dir
+    log(f"planning {g.name}: {len(g.nodes)} ops, inputs "
+        f"{', '.join(f'{k} {list(s)}' for k, (s, _) in g.inputs.items())}")
+    lines, requests, refused = plan_kernels(g, log)
+    for r, why in refused.items():
+        log(f"  no kernel for {r}: {why}")
+    log(f"the plan has {len(lines)} steps and calls {len(requests)} kernels")
+    entries = [r.entry(_entry_name(i, r)) for i, r in enumerate(requests)]
+    os.makedirs(out_dir, exist_ok=True)
+    spec = parse_spec({"library": {"name": g.name}, "kernel": entries}, f"model {g.name}")
+    build(spec, target, out_dir, force=force, log=log, tuning_logs=tuning_logs)
+
+    from blockpad.runtime.library import load
+
+    lib = load(out_dir)
+    built = _regraph(g, KernelCache([lib], compiler=None,
+                                    cache_dir=os.path.join(out_dir, "no-jit")))
+    plan = built.plan(**rm.input_layouts(built))
+    if plan.describe().splitlines() != lines:
+        raise BuildError(f"{out_dir}: the plan over the built library differs from the probed "
+                         f"one:\n{plan.describe()}")
+    constants = _pack(g, plan)
+    rm.write_model(out_dir, doc, constants, lines,
+                   {"build_key": key, "target": target.name, "kernels": len(requests)})
+    size = sum(m.layout.nbytes for ms in constants.values() for m in ms)
+    log(f"wrote {out_dir}: {len(requests)} kernels, {len(lines)} steps, weights "
+        f"{size / 2 ** 20:.1f} MiB packed, in {time.perf_counter() - start:.1f} s")
+    return out_dir
+
+
+def _from_onnx(source) -> Graph:
+    from_onnx = getattr(Graph, "from_onnx", None)
+    if from_onnx is None:
+        raise BuildError("this blockpad has no ONNX importer (Graph.from_onnx)")
+    return from_onnx(source)

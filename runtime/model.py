@@ -1,0 +1,251 @@
+"""Models built ahead of time: ``blockpad build model.onnx --out DIR`` (or
+``blockpad.model_build.build_model(graph, ...)``) writes into DIR
+
+* ``kernels.so`` + ``manifest.json``: every kernel the model's plan calls, one library;
+* ``weights.bin``: the constants, weights already packed into the blocked layouts their
+  convolutions read (64-byte aligned, raw), and plain where a kernel reads them plain;
+* ``model.json``: the graph (ops, attributes, inputs, outputs, options), where each constant
+  lies in ``weights.bin``, and the plan the build made (one line per step).
+
+``blockpad.load(DIR)`` returns a ``Model``: the graph rebuilt over that library alone (no
+compiler, no JIT cache, no ``onnx``), its constants the packed bytes as they are. Planning again
+at load must give the recorded plan, step for step; a runtime that would plan differently
+refuses to load and says to rebuild, rather than run something the build never checked.
+
+This module is the one place of the folder's format: the build side writes through
+``write_model``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from blockpad.errors import ArgumentError, LoadError
+from blockpad.layout import Layout, numpy_dtype
+
+from . import library
+from .cache import KernelCache
+from .graph import Graph
+from .graph_ops import plain
+from .memory import CLEAN, Memory, aligned_empty
+
+FORMAT = 1
+MODEL = "model.json"
+WEIGHTS = "weights.bin"
+ALIGN = 64
+
+
+# ---- the graph as JSON ------------------------------------------------------------------------
+
+def graph_doc(g: Graph) -> dict:
+    """The graph's ops, inputs, outputs and options as JSON (constants apart: see
+    ``write_model``). Ops that run Python functions (``custom``) cannot be written."""
+    nodes = []
+    for n in g.nodes:
+        if n.op == "custom":
+            raise ArgumentError(f"{n.name}: a custom op runs a Python function, which a model "
+                                f"built ahead of time cannot hold; express it with blockpad ops")
+        nodes.append({"name": n.name, "op": n.op, "inputs": list(n.inputs),
+                      "outputs": list(n.outputs), "attrs": n.attrs})
+    options = {"policy": g.policy, "inplace": g.inplace, "layouts": g.layouts,
+               "block": g.block, "fuse": sorted(g.fuse), "name": g.name}
+    doc = {"options": options, "inputs": {k: [list(s), d] for k, (s, d) in g.inputs.items()},
+           "outputs": list(g.outputs), "nodes": nodes}
+    return json.loads(json.dumps(doc))
+
+
+def _tuples(value):
+    """JSON lists back to the tuples the graph's attributes hold (tables stay tables)."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
+
+
+def input_layouts(g: Graph) -> dict:
+    """The layouts a model's inputs come in: plain arrays."""
+    return {name: plain(shape, dtype) for name, (shape, dtype) in g.inputs.items()}
+
+
+def plan_lines(g: Graph) -> list:
+    """The plan for plain inputs, one line per step: what the build records and the load
+    checks."""
+    return g.plan(**input_layouts(g)).describe().splitlines()
+
+
+# ---- writing (the build side calls this) ------------------------------------------------------
+
+def write_model(out_dir, doc: dict, constants: dict, plan: list, extra: dict) -> None:
+    """Write ``weights.bin`` and ``model.json``. ``constants``: name -> list of Memories (the
+    layouts the plan reads it in, plain or packed). ``model.json`` is written last, whole: a
+    folder without it is not a model, one with it is complete."""
+    table, offset = [], 0
+    tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
+    h = hashlib.sha256()
+    with open(tmp, "wb") as f:
+        for name, mems in constants.items():
+            first = mems[0].layout
+            entry = {"name": name, "shape": list(first.shape), "dtype": first.dtype,
+                     "layouts": []}
+            for mem in mems:
+                raw = np.ascontiguousarray(mem.buffer[:mem.layout.alloc_len]).view(np.uint8)
+                pad = -offset % ALIGN
+                f.write(b"\0" * pad)
+                h.update(b"\0" * pad)
+                offset += pad
+                f.write(raw.tobytes())
+                h.update(raw)
+                entry["layouts"].append({"layout": mem.layout.describe(), "offset": offset,
+                                         "nbytes": int(raw.size)})
+                offset += raw.size
+            table.append(entry)
+    os.replace(tmp, os.path.join(out_dir, WEIGHTS))
+    model = {"format": FORMAT, "graph": doc, "constants": table, "weights": WEIGHTS,
+             "weights_bytes": offset, "weights_sha256": h.hexdigest(), "plan": plan, **extra}
+    path = os.path.join(out_dir, MODEL)
+    with open(path + ".tmp", "w") as f:
+        json.dump(model, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def read_doc(path) -> dict:
+    """``model.json`` of a built model folder; LoadError if it is not one."""
+    file = os.path.join(os.fspath(path), MODEL)
+    try:
+        with open(file) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise LoadError(f"{path}: expected a built model with {MODEL} ({e.strerror}); build one "
+                        f"with `blockpad build model.onnx --out {path}`") from None
+    except ValueError as e:
+        raise LoadError(f"{file}: not a readable model description ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise LoadError(f"{file}: expected model format {FORMAT}; got {got!r}; rebuild it")
+    return doc
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+class Model:
+    """A model built ahead of time; ``model(x)`` runs it. See the module docstring."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.doc = doc = read_doc(self.path)
+        self.library = library.load(self.path)
+        # the library alone: a kernel it lacks is not looked for in any cache directory
+        cache = KernelCache([self.library], compiler=None,
+                            cache_dir=os.path.join(self.path, "no-jit"))
+        opts = doc["graph"]["options"]
+        g = Graph(policy=opts["policy"], cache=cache, inplace=opts["inplace"],
+                  layouts=opts["layouts"], block=opts["block"], fuse=tuple(opts["fuse"]),
+                  name=opts["name"])
+        for name, (shape, dtype) in doc["graph"]["inputs"].items():
+            g.input(name, shape, dtype)
+        weights = self._read_weights(doc)
+        for c in doc["constants"]:
+            mems = []
+            for e in c["layouts"]:
+                lay = Layout.from_dict(e["layout"])
+                buf = weights[e["offset"]:e["offset"] + e["nbytes"]].view(numpy_dtype(lay.dtype))
+                mems.append(Memory(lay, buf, CLEAN))
+            p = plain(c["shape"], c["dtype"])
+            flat = next((m for m in mems if m.layout == p), None)
+            if flat is not None:        # read plain somewhere: a constant as any other
+                g.constant(c["name"], flat.buffer.reshape(p.shape))
+            else:
+                g.prepacked(c["name"], c["shape"], c["dtype"], mems)
+        for n in doc["graph"]["nodes"]:
+            g.add_op(n["op"], n["inputs"], _tuples(n["attrs"]), n["name"], n["outputs"])
+        g.output(*doc["graph"]["outputs"])
+        self.graph = g
+        try:
+            lines = plan_lines(g)
+        except ArgumentError as e:
+            raise LoadError(f"{self.path}: this runtime plans the model differently from its "
+                            f"build ({e}); rebuild it") from None
+        if lines != doc["plan"]:
+            diff = next((f"built: {a!r}; now: {b!r}" for a, b in zip(doc["plan"], lines)
+                         if a != b), f"{len(doc['plan'])} steps built, {len(lines)} now")
+            raise LoadError(f"{self.path}: this runtime plans the model differently from its "
+                            f"build ({diff}); rebuild it")
+        self.inputs = dict(g.inputs)
+        self.outputs = list(g.outputs)
+
+    def _read_weights(self, doc) -> np.ndarray:
+        file = os.path.join(self.path, doc["weights"])
+        size = doc["weights_bytes"]
+        buf = aligned_empty(max(size, 1), np.uint8)[:size]
+        try:
+            with open(file, "rb") as f:
+                got = f.readinto(buf)
+        except OSError as e:
+            raise LoadError(f"{file}: cannot read the model's weights ({e.strerror})") from None
+        if got != size or os.path.getsize(file) != size:
+            raise LoadError(f"{file}: expected {size} bytes of weights; the file has "
+                            f"{os.path.getsize(file)}; rebuild the model")
+        digest = hashlib.sha256(buf).hexdigest()
+        if digest != doc["weights_sha256"]:
+            raise LoadError(f"{file}: content hash {digest[:16]}... does not match the model's "
+                            f"{doc['weights_sha256'][:16]}...; the file changed after the "
+                            f"build, rebuild it")
+        return buf
+
+    @property
+    def target(self) -> str:
+        return self.library.target
+
+    def _given(self, args, kw) -> dict:
+        names = list(self.inputs)
+        if len(args) > len(names):
+            raise ArgumentError(f"{self.path}: the model takes {len(names)} input(s) "
+                                f"({', '.join(names)}); got {len(args)} positional")
+        given = dict(zip(names, args), **kw)
+        return {k: _host_array(v, k) for k, v in given.items()}
+
+    def run(self, *args, **kw):
+        """Run on the inputs (positional in the model's order, or by name) and return the
+        graph's ``Results`` (each held blocked until read, with the run's ``report``)."""
+        return self.graph.run(self._given(args, kw))
+
+    def __call__(self, *args, **kw):
+        """Run and return the output as a numpy array (a dict of them for several outputs).
+        Inputs: numpy arrays or any CPU DLPack tensor (PyTorch's, zero-copy)."""
+        res = self.run(*args, **kw).numpy()
+        return res[self.outputs[0]] if len(self.outputs) == 1 else res
+
+    def __repr__(self):
+        shapes = ", ".join(f"{k} {list(s)} {d}" for k, (s, d) in self.inputs.items())
+        return (f"<blockpad model {self.path} target={self.target} inputs: {shapes}; "
+                f"{len(self.graph.nodes)} ops, {len(self.library.kernels)} kernels>")
+
+
+def _host_array(value, name):
+    if isinstance(value, (np.ndarray, Memory)):
+        return value
+    if hasattr(value, "__dlpack__"):
+        try:
+            return np.from_dlpack(value)
+        except (TypeError, RuntimeError, BufferError, ValueError) as e:
+            raise ArgumentError(f"input {name!r}: DLPack tensor not readable as a CPU array "
+                                f"({e}); pass .detach() of a CPU tensor") from e
+    return np.asarray(value)
+
+
+def is_model(path) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(path), MODEL))
+
+
+def load(path):
+    """A built folder: a ``Model`` if it holds one (``model.json``), else a kernel
+    ``Library``."""
+    return Model(path) if is_model(path) else library.load(path)
+
+
+__all__ = ["Model", "graph_doc", "is_model", "load", "read_doc", "write_model"]
