@@ -46,11 +46,15 @@ def check_policy(name: str) -> str:
     return name
 
 
-def plan(policy: str, propagates_zero: bool, reduces_over_padding: bool) -> Plan:
+def plan(policy: str, propagates_zero: bool, reads_padding: bool,
+         reduces_over_padding: bool = False) -> Plan:
     """Decide what to emit for one kernel.
 
     ``propagates_zero``: derived from the op's TE (codegen.ops.common.propagates_zero) -- with
     clean sources, is every destination padding element already zero by the arithmetic?
+    ``reads_padding``: derived too (codegen.ops.common.reads_padding) -- does a valid output
+    read source padding or halo unguarded? Only a kernel that does not may accept dirty sources
+    (``requires: any``) under the policies that read sources as they are.
     ``reduces_over_padding``: the op sums or multiplies across a padded dim of a source (conv,
     matmul), so masking its reads would sit in the innermost loop; such kernels take a zero-pad
     stage on their sources under the ``src`` policy instead (seed 000 option 3's fallback).
@@ -68,8 +72,10 @@ def plan(policy: str, propagates_zero: bool, reduces_over_padding: bool) -> Plan
             return Plan(policy, "trusted", "any", False, True, "clean", "dirty")
         return Plan(policy, "masked", "any", False, False, "any",
                     "clean" if propagates_zero else "dirty")
-    # tracked (option 4): cheapest code; the runtime zero-pads lazily where a consumer needs it.
-    # "full" arithmetic on clean sources gives a clean destination when the op propagates zeros.
+    # tracked (option 4): cheapest code; the runtime zero-pads lazily where a consumer needs it
+    # (a kernel that reads padding or halo), as seed 000 lets each implementation say what it
+    # accepts. "full" arithmetic on clean sources gives a clean destination when the op
+    # propagates zeros.
     return Plan(policy, "trusted", "full" if propagates_zero else "any", False, False,
-                "clean" if reduces_over_padding else "any",
+                "clean" if reads_padding else "any",
                 "inherit" if propagates_zero else "dirty")

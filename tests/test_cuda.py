@@ -198,7 +198,7 @@ def matmul_kernel(name, m, n, k, dtype, tags=("ab", "ab", "ab")):
     opdef = OpDef("matmul", [a, b], lambda i, j: te.sum(
         a(i, r).astype("float32") * b(r, j).astype("float32"), axis=r), reduce=True, axes=[r])
     return materialize(opdef, bp.Layout(tags[2], (m, n), "float32"),
-                       plan("dst_fused", True, reduces_over_padding=True), name)[0]
+                       plan("dst_fused", True, reads_padding=True, reduces_over_padding=True), name)[0]
 
 
 def compile_cuda(func, name, target_name):

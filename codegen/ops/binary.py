@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from blockpad.errors import SpecError
 
-from ..policy import plan
-from .common import OpDef, Source, materialize, propagates_zero
+from .common import OpDef, Source, materialize, plan_for
 
 ALGORITHMS = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b}
 PARAMS = {"algorithm": "add", "shape1": None}
@@ -36,7 +35,7 @@ def make(layouts, name, policy, algorithm="add", shape1=None):
 
         return OpDef("binary", [a, b], value, params={"algorithm": algorithm})
 
-    p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=False)
+    p = plan_for(policy, opdef("trusted"), dst)
     return materialize(opdef(p.reads), dst, p, name)
 
 

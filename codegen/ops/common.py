@@ -24,7 +24,7 @@ from blockpad.errors import SpecError
 from blockpad.layout import Layout
 
 from ..kernel import Arg, Kernel, finish
-from ..policy import Plan
+from ..policy import Plan, plan
 
 
 class Source:
@@ -41,6 +41,9 @@ class Source:
       when ``pad`` is not zero, are guarded.
     * ``masked``: every read that can land on padding is guarded (the ``src`` policy: source
       padding may hold garbage).
+
+    ``trusts_padding`` records that a read was left unguarded on padding or halo, so that
+    ``reads_padding`` can derive which kernels need their sources clean.
     """
 
     def __init__(self, name: str, layout: Layout, mode: str = "trusted", storage: str | None = None):
@@ -48,6 +51,7 @@ class Source:
         self.storage = storage or layout.dtype
         self.tensor = te.placeholder(layout.physical_shape, self.storage, name)
         self.bounds: dict = {}   # var -> (min, max), filled by materialize for range analysis
+        self.trusts_padding = False
 
     @property
     def dtype(self):
@@ -64,6 +68,7 @@ class Source:
             if in_logical:
                 continue
             if self.mode == "trusted" and in_buffer and _is_zero_const(pad):
+                self.trusts_padding = True
                 continue   # clean padding or halo in the buffer reads as the pad value itself
             if lo < 0:
                 guards.append(x >= 0)
@@ -82,8 +87,6 @@ class OpDef:
     ``value(*idx)`` gives the destination element at logical ``idx``; when ``reduce`` is true it
     returns a ``te.sum``/``te.max`` (TE wants reductions at the top of a stage) and ``epilogue``
     (post-ops: bias, eltwise, sum) is applied to the reduced value in a second, fused stage.
-    ``reads_padding``: valid outputs depend on source padding (a reduction over padded blocks
-    relying on zero padding), so such sources must be clean or be zero-padded first.
     """
 
     op: str
@@ -91,10 +94,35 @@ class OpDef:
     value: Callable
     reduce: bool = False
     epilogue: Callable | None = None
-    reads_padding: bool = False
     params: dict | None = None
     axes: Sequence = ()         # the te.reduce_axis the value uses (their ranges bound reads)
     extra_args: Sequence = ()   # (te.Tensor, Arg) pairs that are not layouts' sources (scales)
+
+
+def plan_for(policy: str, opdef: OpDef, dst: Layout, reduces_over_padding: bool = False) -> Plan:
+    """The policy's plan for ``opdef`` (declared with ``trusted`` sources), with what the plan
+    depends on derived from its TE: ``propagates_zero`` and ``reads_padding``."""
+    return plan(policy, propagates_zero=propagates_zero(opdef, dst),
+                reads_padding=reads_padding(opdef, dst),
+                reduces_over_padding=reduces_over_padding)
+
+
+def reads_padding(opdef: OpDef, dst: Layout) -> bool:
+    """Derived from the TE: does a logical destination element read a source's padding or
+    halo without a guard (a reduction over whole padded blocks, a convolution or an average
+    window over a pre-padded halo, a staged copy of such a halo)? Then its sources must be
+    clean: a kernel that trusts padding must never be recorded as accepting dirty sources.
+    Conservative: a read made while declaring a stage of the kernel counts whatever it
+    computes."""
+    idx = [tirx.Var(f"i{d}", "int32") for d in range(dst.rank)]
+    bounds = {v: (0, n - 1) for v, n in zip(idx, dst.shape)}
+    bounds.update(_axis_bounds(opdef))
+    for s in opdef.sources:
+        s.bounds = bounds
+    val = opdef.value(*idx)
+    if opdef.epilogue is not None:
+        opdef.epilogue(tirx.Var("acc", dtype_of(val)), idx)
+    return any(s.trusts_padding for s in opdef.sources)
 
 
 def propagates_zero(opdef: OpDef, dst: Layout) -> bool:
@@ -130,7 +158,7 @@ def materialize(opdef: OpDef, dst: Layout, plan: Plan, name: str,
     A reduction takes two stages, ``acc`` (the reduction, in the accumulator type) and ``dst``
     (epilogue, cast and padding store); schedules fuse the second into the first's tiles."""
     out_storage = out_storage or dst.dtype
-    bounds = {ax.var: (int(ax.dom.min), int(ax.dom.min + ax.dom.extent) - 1) for ax in opdef.axes}
+    bounds = _axis_bounds(opdef)
     for s in opdef.sources:
         s.bounds = bounds
 
@@ -200,8 +228,7 @@ def _as_masked(s: Source) -> Source:
 
 
 def _value_is_zero(opdef: OpDef, idx, bounds) -> bool:
-    bounds = {**bounds, **{ax.var: (int(ax.dom.min), int(ax.dom.min + ax.dom.extent) - 1)
-                           for ax in opdef.axes}}
+    bounds = {**bounds, **_axis_bounds(opdef)}
     for s in opdef.sources:
         s.bounds = bounds
     ana = Analyzer()
@@ -215,6 +242,10 @@ def _value_is_zero(opdef: OpDef, idx, bounds) -> bool:
         acc = tirx.const(0, dtype_of(val)) if zero else tirx.Var("acc", dtype_of(val))
         val = opdef.epilogue(acc, idx)
     return _is_zero_const(_simplify(ana, val))
+
+
+def _axis_bounds(opdef: OpDef) -> dict:
+    return {ax.var: (int(ax.dom.min), int(ax.dom.min + ax.dom.extent) - 1) for ax in opdef.axes}
 
 
 def _reduce_is_zero(red, ana: Analyzer) -> bool:

@@ -38,9 +38,8 @@ from tvm import te
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
 
-from ..policy import plan
 from . import postops
-from .common import OpDef, Source, int_pair, materialize, propagates_zero
+from .common import OpDef, Source, int_pair, materialize, plan_for
 
 TENSORS = ("src", "weights", *postops.TENSORS, "dst")
 PARAMS = {"channels": None, "kernel": [1, 1], "stride": [1, 1], "pad": [0, 0],
@@ -118,7 +117,7 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
     cg, kg = geo.c // groups, geo.k // groups
     # groups = 1: reduce over whole channel blocks where source and weights both have them
     c_red = min(src.padded_shape[1], wei.padded_shape[1]) if groups == 1 else cg
-    reads_padding = c_red > cg
+    reduces_over_padding = c_red > cg
     halo_covers = all(p <= min(h) for p, h in zip(geo.pad, src.paddings[2:]))
     staged = spatial_pad == "stage" and not halo_covers
     bits, elem = postops.dot_operand(src.dtype)
@@ -143,21 +142,22 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
                   "pad": list(geo.pad), "dilation": list(geo.dilation), "groups": groups,
                   "spatial_pad": spatial_pad, "post_ops": list(post_ops)}
         return OpDef("conv2d", [x, w, *post.sources.values()], value, reduce=True,
-                     epilogue=post, reads_padding=reads_padding, params=params,
-                     axes=[rc, rh, rw])
+                     epilogue=post, params=params, axes=[rc, rh, rw])
 
-    p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=reads_padding)
+    p = plan_for(policy, opdef("trusted"), dst, reduces_over_padding=reduces_over_padding)
     return materialize(opdef(p.reads), dst, p, name)
 
 
 class PaddedCopy(Source):
     """``src`` copied into its own layout grown by a zero halo of ``pad`` on h and w: the
     ``stage`` spatial padding, a stage of the kernel (``src_padded``) that writes the halo, so
-    the convolution reads the copy with no bounds checks."""
+    the convolution reads the copy with no bounds checks. Where the source's tag blocks h or w
+    (``nchW4w``), the halo is rounded up to whole blocks, as a layout's halo must be."""
 
     def __init__(self, src: Source, pad):
         lay = src.layout
-        lay = Layout(lay.tag, lay.shape, lay.dtype, {"h": (pad[0], pad[0]), "w": (pad[1], pad[1])})
+        halo = {d: (-(-p // b) * b,) * 2 for d, p, b in zip("hw", pad, lay.blocks[2:])}
+        lay = Layout(lay.tag, lay.shape, lay.dtype, halo)
         super().__init__("src_padded", lay, "trusted", src.storage)
         self.src = src
 

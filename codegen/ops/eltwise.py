@@ -11,8 +11,7 @@ from tvm import tirx
 
 from blockpad.errors import SpecError
 
-from ..policy import plan
-from .common import OpDef, Source, dtype_of, materialize, propagates_zero
+from .common import OpDef, Source, dtype_of, materialize, plan_for
 
 
 def _c(x, v):
@@ -52,5 +51,5 @@ def make(layouts, name, policy, algorithm="relu", alpha=0.0, beta=0.0):
         return OpDef("eltwise", [x], lambda *i: apply(algorithm, x(*i), alpha, beta),
                      params={"algorithm": algorithm, "alpha": alpha, "beta": beta})
 
-    p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=False)
+    p = plan_for(policy, opdef("trusted"), dst)
     return materialize(opdef(p.reads), dst, p, name)

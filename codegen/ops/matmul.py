@@ -19,9 +19,8 @@ from tvm import te
 
 from blockpad.errors import SpecError
 
-from ..policy import plan
 from . import postops
-from .common import OpDef, Source, materialize, propagates_zero
+from .common import OpDef, Source, materialize, plan_for
 
 TENSORS = ("src", "weights", *postops.TENSORS, "dst")
 PARAMS = {"n": None, "post_ops": []}
@@ -43,7 +42,7 @@ def signature(shape, dtype, params):
 def make(layouts, name, policy, n=None, post_ops=()):
     src, wei, dst = layouts["src"], layouts["weights"], layouts["dst"]
     k_red = min(src.padded_shape[1], wei.padded_shape[0])
-    reads_padding = k_red > src.shape[1]
+    reduces_over_padding = k_red > src.shape[1]
     bits, widen = postops.dot_operand(src.dtype)
 
     def opdef(mode):
@@ -55,8 +54,8 @@ def make(layouts, name, policy, n=None, post_ops=()):
             return te.sum(widen(a(i, rk)) * widen(b(rk, j)), axis=[rk])
 
         return OpDef("matmul", [a, b, *post.sources.values()], value, reduce=True,
-                     epilogue=post, reads_padding=reads_padding,
-                     params={"n": dst.shape[1], "post_ops": list(post_ops)}, axes=[rk])
+                     epilogue=post, params={"n": dst.shape[1], "post_ops": list(post_ops)},
+                     axes=[rk])
 
-    p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=reads_padding)
+    p = plan_for(policy, opdef("trusted"), dst, reduces_over_padding=reduces_over_padding)
     return materialize(opdef(p.reads), dst, p, name)

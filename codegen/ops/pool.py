@@ -21,8 +21,7 @@ from tvm import te, tirx
 
 from blockpad.errors import SpecError
 
-from ..policy import plan
-from .common import OpDef, Source, int_pair, materialize, propagates_zero
+from .common import OpDef, Source, int_pair, materialize, plan_for
 
 PARAMS = {"algorithm": "max", "kernel": [2, 2], "stride": None, "pad": [0, 0],
           "dilation": [1, 1], "exclude_pad": True}
@@ -84,7 +83,7 @@ def make(layouts, name, policy, algorithm="max", kernel=(2, 2), stride=None, pad
                      epilogue=average if algorithm == "avg" else None,
                      params=params, axes=[rh, rw])
 
-    p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=False)
+    p = plan_for(policy, opdef("trusted"), dst)
     return materialize(opdef(p.reads), dst, p, name)
 
 

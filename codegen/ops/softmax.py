@@ -29,8 +29,7 @@ from tvm.sym.analyzer import Analyzer
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
 
-from ..policy import plan
-from .common import OpDef, Source, materialize, propagates_zero
+from .common import OpDef, Source, materialize, plan_for
 
 PARAMS = {"axis": 1, "log": False}
 
@@ -69,7 +68,7 @@ def make(layouts, name, policy, axis=1, log=False):
             (lambda *i: e(*i) * norm(*i))
         return OpDef("softmax", [x], value, params={"axis": axis, "log": bool(log)})
 
-    p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=False)
+    p = plan_for(policy, opdef("trusted"), dst)
     return materialize(opdef(p.reads), dst, p, name)
 
 
