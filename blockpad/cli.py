@@ -51,13 +51,17 @@ def main(argv=None) -> int:
     p.set_defaults(run=_inspect, kind="tir")
 
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
-    p.add_argument("what", choices=["reorder", "ops", "resnet", "isa", "conv", "matmul"])
+    p.add_argument("what", choices=["reorder", "ops", "resnet", "isa", "conv", "matmul", "model"])
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
     p.add_argument("--target", default=None,
                    help="target of blockpad's kernels (ops, resnet; default: the widest "
                    "this CPU runs)")
+    p.add_argument("--model", default="resnet50", help="bench model: the network (resnet18, "
+                   "resnet50, resnet50_pruned, mobilenet_v2, efficientnet_b0, densenet121)")
+    p.add_argument("--batch", type=int, default=1, help="bench model: batch size")
+    p.add_argument("--hw", type=int, default=224, help="bench model: image height and width")
     p.set_defaults(run=_bench)
 
     p = sub.add_parser("report", help="run a measured report")
@@ -154,6 +158,12 @@ def _bench(args):
 
         resnet.main(repeat=args.repeat, threads=args.threads, quick=args.quick,
                     target=args.target)
+        return
+    if args.what == "model":
+        from .bench import model
+
+        model.main(args.model, args.batch, args.hw, repeat=args.repeat, threads=args.threads,
+                   target=args.target)
         return
     if args.what == "ops":
         from .bench import ops

@@ -99,6 +99,29 @@ def native_target() -> str:
     return "host"
 
 
+def step_times(g, inputs: dict, rounds: int = 5) -> dict:
+    """Seconds per run of each step of ``g``'s plan for ``inputs`` (kernels, reorders, the
+    policy's zero-pads at binding), averaged over ``rounds`` runs of the plan's calls."""
+    plan = g.plan(**inputs)
+    g.run(inputs)
+    exe = plan._acquire()
+    try:
+        labels = []
+        for i, st in enumerate(plan.steps):
+            labels += ["(bind)"] * sum(1 for s in plan.bind_at.get(i, ()) for b in s.bufs
+                                       if s.kind in ("arena", "output") and b.layout.has_padding)
+            labels.append(st.label)
+        out = {}
+        for _ in range(rounds):
+            for label, call in zip(labels, exe.calls):
+                t0 = time.perf_counter()
+                call()
+                out[label] = out.get(label, 0.0) + (time.perf_counter() - t0) / rounds
+        return out
+    finally:
+        plan._release(exe)
+
+
 def table(rows: list[list], header: list[str]) -> str:
     """Left-align the first column, right-align the others."""
     cells = [header] + [[str(c) for c in r] for r in rows]

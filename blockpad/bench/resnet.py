@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from .common import interleaved, native_target, quiet_thread_pools, table
+from .common import interleaved, native_target, quiet_thread_pools, step_times, table
 
 EPS = 1e-5
 
@@ -173,7 +173,7 @@ def main(repeat=7, threads=None, quick=False, policy="dst_fused", hw=None, targe
         best = min(v for k, v in t.items() if k.startswith("torch"))
         print(f"blockpad speed-up over the faster PyTorch layout: {best / base:.2f}x "
               f"(target >= 1.3x; < 1 means slower)")
-    steps = _step_times(g, x)
+    steps = step_times(g, {"x": x})
     total = sum(steps.values())
     print("\nwhere the graph's time goes (one run, per step):")
     print(table([[k, f"{1e3 * v:.3f}", f"{100 * v / total:.0f}%"] for k, v in steps.items()],
@@ -185,28 +185,6 @@ def main(repeat=7, threads=None, quick=False, policy="dst_fused", hw=None, targe
               f"{1e3 * fresh['first_run_s']:.0f} ms, total {1e3 * fresh['total_s']:.0f} ms "
               f"(compiles: {fresh['compiles']}, tvm imported: {fresh['tvm']})")
     return t
-
-
-def _step_times(g, x, rounds=5):
-    """Time each step of the plan (kernels and reorders) over a few runs."""
-    plan = g.plan(x=x)
-    g.run(x=x)
-    exe = plan._acquire()
-    try:
-        labels = []
-        for i, st in enumerate(plan.steps):
-            labels += ["(bind)"] * sum(1 for s in plan.bind_at.get(i, ()) for b in s.bufs
-                                       if s.kind in ("arena", "output") and b.layout.has_padding)
-            labels.append(st.label)
-        out = {}
-        for _ in range(rounds):
-            for label, call in zip(labels, exe.calls):
-                t0 = time.perf_counter()
-                call()
-                out[label] = out.get(label, 0.0) + (time.perf_counter() - t0) / rounds
-        return out
-    finally:
-        plan._release(exe)
 
 
 if __name__ == "__main__":

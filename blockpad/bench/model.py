@@ -1,0 +1,275 @@
+"""``blockpad bench model --model resnet50``: a whole network (``blockpad.models``, random
+weights, exported to ONNX) built ahead of time by blockpad and run against PyTorch eager (NCHW
+and channels_last) and ONNX Runtime (default session options: every graph optimisation), at
+1 thread and at every core.
+
+Each contender runs in its own process: in one process PyTorch's OpenMP workers keep spinning
+after each call and slow down whoever runs next. Each process checks its output against
+PyTorch's, reports ms per inference (median of its rounds), its peak resident memory, and
+(blockpad) the time from process start to the first result of a prebuilt model and a
+per-layer breakdown. The figures and a PNG are written under ``build/bench_model/``.
+
+Needs PyTorch (the networks are torch.nn) and onnxruntime; blockpad's own run needs neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from .common import QUIET_POOLS, batch_size, native_target, step_times, table
+
+CONTENDERS = ("blockpad", "torch NCHW", "torch channels_last", "onnxruntime")
+OUT = os.path.join("build", "bench_model")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---- one contender, in its own process ---------------------------------------------------------
+
+def _contender(name, args, x):
+    """``(run, setup)``: a function making one inference (returning numpy), and the network."""
+    if name == "blockpad":
+        import blockpad as bp
+
+        model = bp.load(args.dir)
+        return (lambda: model(x)), model
+    if name == "onnxruntime":
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()        # defaults (ORT_ENABLE_ALL) but for the thread count
+        opts.intra_op_num_threads = args.threads
+        sess = ort.InferenceSession(args.onnx, opts, providers=["CPUExecutionProvider"])
+        feed = {sess.get_inputs()[0].name: x}
+        return (lambda: sess.run(None, feed)[0]), sess
+    import torch
+
+    from blockpad import models
+
+    torch.set_num_threads(args.threads)
+    net = models.network(args.model, args.seed)
+    tx = torch.from_numpy(x)
+    if name == "torch channels_last":
+        net = net.to(memory_format=torch.channels_last)
+        tx = tx.contiguous(memory_format=torch.channels_last)
+
+    def run():
+        with torch.inference_mode():
+            return net(tx).numpy()
+    return run, net
+
+
+def child(args) -> dict:
+    """Run one contender (``args.child``) and return its figures."""
+    t_start = time.perf_counter()
+    x = np.load(args.input)
+    rss0 = _rss_mib()
+    run, net = _contender(args.child, args, x)
+    rss_loaded = _rss_mib()
+    y = run()
+    first = time.perf_counter() - t_start
+    np.save(args.output, y)
+    n = batch_size(run)
+    times = []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            run()
+        times.append((time.perf_counter() - t0) / n)
+    out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
+           "first_s": first, "rss_before_mib": rss0, "rss_loaded_mib": rss_loaded,
+           "peak_mib": _peak_mib()}
+    if args.child == "blockpad":
+        report = net.run(x).report
+        steps = step_times(net.graph, {next(iter(net.inputs)): x})
+        out.update(steps={k: 1e3 * v for k, v in steps.items()},
+                   ops={n.name: n.op for n in net.graph.nodes},
+                   arena_mib=report.arena_bytes / 2 ** 20,
+                   weights_mib=report.weight_bytes / 2 ** 20,
+                   fallbacks=report.fallbacks)
+    return out
+
+
+def _spawn(name, threads, paths, args) -> dict:
+    env = {**os.environ, **QUIET_POOLS, "TVM_NUM_THREADS": str(threads),
+           "OMP_NUM_THREADS": str(threads), "BLOCKPAD_JIT": "0"}
+    out = os.path.join(paths["work"], f"y_{name.replace(' ', '_')}_{threads}.npy")
+    cmd = [sys.executable, "-m", "blockpad.bench.model", "--child", name, "--model", args.model,
+           "--threads", str(threads), "--repeat", str(args.repeat), "--seed", str(args.seed),
+           "--dir", paths["dir"], "--onnx", paths["onnx"], "--input", paths["input"],
+           "--output", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r["y"] = out
+    return r
+
+
+# ---- the driver -------------------------------------------------------------------------------
+
+def prepare(name, batch, hw, seed, target, log=print) -> dict:
+    """Export the network to ONNX and build it with blockpad (both skipped when up to date)."""
+    from blockpad import models
+    from blockpad.model_build import build_model
+
+    work = os.path.join(OUT, f"{name}_b{batch}_{hw}")
+    os.makedirs(work, exist_ok=True)
+    onnx_path = os.path.join(work, f"{name}.onnx")
+    if not os.path.isfile(onnx_path):
+        log(f"exporting {name} to {onnx_path}")
+        models.export_onnx(name, onnx_path, batch, hw, seed)
+    x_path = os.path.join(work, "x.npy")
+    np.save(x_path, models.sample_input(batch, hw))
+    model_dir = os.path.join(work, f"blockpad_{target}")
+    t0 = time.perf_counter()
+    build_model(onnx_path, target, model_dir, log=log)
+    log(f"blockpad build: {time.perf_counter() - t0:.1f} s")
+    return {"work": work, "onnx": onnx_path, "input": x_path, "dir": model_dir}
+
+
+def main(model="resnet50", batch=1, hw=224, repeat=5, threads=None, target=None, seed=0):
+    from blockpad.runtime.tvm_runtime import default_threads
+
+    target = target or native_target()
+    paths = prepare(model, batch, hw, seed, target)
+    cores = default_threads()
+    counts = [threads] if threads else sorted({1, cores})
+    args = argparse.Namespace(model=model, repeat=repeat, seed=seed)
+    results = {}
+    for t in counts:
+        for name in CONTENDERS:
+            print(f"running {name} at {t} thread(s) ...", file=sys.stderr, flush=True)
+            results[(name, t)] = _spawn(name, t, paths, args)
+    _report(model, batch, hw, target, counts, results)
+
+
+def _report(model, batch, hw, target, counts, results):
+    ref = next((np.load(r["y"]) for (n, _), r in results.items()
+                if n == "torch NCHW" and "y" in r), None)
+    print(f"\nbenchmark: {model}, batch {batch}, {hw}x{hw}, fp32; blockpad kernels for {target}; "
+          f"each contender in its own process (figures from a shared machine are rough)")
+    rows = []
+    for (name, t), r in results.items():
+        if "error" in r:
+            rows.append([name, t, "failed: " + r["error"][:60], "", "", "", ""])
+            continue
+        err = "-"
+        if ref is not None:
+            y = np.load(r["y"])
+            err = f"{np.abs(y - ref).max() / np.abs(ref).max():.1e}"
+        best = min(v["ms"] for (n, tt), v in results.items()
+                   if tt == t and n != "blockpad" and "ms" in v)
+        rows.append([name, t, f"{r['ms']:.2f}", f"{r['ms_min']:.2f}",
+                     f"{best / r['ms']:.2f}" if name == "blockpad" else "",
+                     f"{r['peak_mib']:.0f}", err])
+    print(table(rows, ["contender", "threads", "ms (median)", "ms (fastest)",
+                       "speed-up vs best other", "peak RSS MiB", "err / max|logit|"]))
+    for t in counts:
+        b = results.get(("blockpad", t), {})
+        if "first_s" in b:
+            print(f"blockpad at {t} thread(s): fresh process (import, load the prebuilt model, "
+                  f"first inference) {1e3 * b['first_s']:.0f} ms = one inference "
+                  f"{b['ms']:.0f} ms + {1e3 * b['first_s'] - b['ms']:.0f} ms (target < 1000); "
+                  f"arena {b['arena_mib']:.1f} MiB, packed weights {b['weights_mib']:.1f} MiB, "
+                  f"RSS growth over the first inference "
+                  f"{b['peak_mib'] - b['rss_loaded_mib']:.0f} MiB")
+        tc = results.get(("torch NCHW", t), {})
+        if "peak_mib" in tc:
+            print(f"torch NCHW at {t} thread(s): RSS growth over the first inference "
+                  f"{tc['peak_mib'] - tc['rss_loaded_mib']:.0f} MiB")
+    b = results.get(("blockpad", counts[0]), {})
+    if "steps" in b:
+        _breakdown(b)
+    _plot(model, batch, hw, target, counts, results, b.get("steps"), b.get("ops", {}))
+
+
+def _op_of(label, ops):
+    if label in ops:
+        return ops[label]
+    return label.split()[0] if label.startswith(("reorder", "(bind)")) else "other"
+
+
+def _breakdown(b):
+    steps, ops = b["steps"], b["ops"]
+    total = sum(steps.values())
+    by_op = {}
+    for label, ms in steps.items():
+        op = _op_of(label, ops)
+        by_op[op] = by_op.get(op, 0.0) + ms
+    print(f"\nblockpad per layer (1 run, {total:.2f} ms in steps), by op:")
+    print(table([[k, f"{v:.2f}", f"{100 * v / total:.0f}%"]
+                 for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])],
+                ["op", "ms", "share"]))
+    print("\nthe 15 slowest steps:")
+    top = sorted(steps.items(), key=lambda kv: -kv[1])[:15]
+    print(table([[k[:60], f"{v:.3f}", f"{100 * v / total:.1f}%"] for k, v in top],
+                ["step", "ms", "share"]))
+    if b.get("fallbacks"):
+        print(f"fallbacks: {b['fallbacks']}")
+
+
+def _plot(model, batch, hw, target, counts, results, steps, ops):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    ax = axes[0]
+    width = 0.8 / len(CONTENDERS)
+    for i, name in enumerate(CONTENDERS):
+        ms = [results.get((name, t), {}).get("ms", 0) for t in counts]
+        ax.bar([j + i * width for j in range(len(counts))], ms, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(counts))])
+    ax.set_xticklabels([f"{t} thread(s)" for t in counts])
+    ax.set_ylabel("ms per inference (lower is better)")
+    ax.set_title(f"{model}, batch {batch}, {hw}x{hw} (blockpad: {target})")
+    ax.legend()
+    if steps:
+        by_op = {}
+        for label, ms in steps.items():
+            op = _op_of(label, ops)
+            by_op[op] = by_op.get(op, 0.0) + ms
+        items = sorted(by_op.items(), key=lambda kv: -kv[1])
+        axes[1].barh([k for k, _ in items], [v for _, v in items])
+        axes[1].invert_yaxis()
+        axes[1].set_xlabel(f"ms at {counts[0]} thread(s)")
+        axes[1].set_title("blockpad's time by op")
+    fig.tight_layout()
+    path = os.path.join(OUT, f"bench_model_{model}.png")
+    fig.savefig(path, dpi=110)
+    print(f"\nplot: {path}")
+
+
+def _cli():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", choices=CONTENDERS, required=True)
+    for k in ("model", "dir", "onnx", "input", "output"):
+        ap.add_argument(f"--{k}", required=True)
+    for k in ("threads", "repeat", "seed"):
+        ap.add_argument(f"--{k}", type=int, required=True)
+    args = ap.parse_args()
+    print(json.dumps(child(args)))
+
+
+if __name__ == "__main__":
+    _cli()
