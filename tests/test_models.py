@@ -175,3 +175,110 @@ def test_prepacked_constant_is_never_read_in_another_layout():
     g.output(g.conv2d(x, g.prepacked("w", w.shape, "float32", [bp.Memory.from_numpy(w, lay)])))
     with pytest.raises(bp.ArgumentError, match="prepacked constant"):
         g.run(x=np.zeros((1, 4, 3, 3), "float32"))
+
+
+# ---- the reference networks -----------------------------------------------------------------
+
+# torchvision's own parameter counts (its weights' "num_params"): the architectures match
+PARAMS = {"resnet18": 11689512, "resnet50": 25557032, "mobilenet_v2": 3504872,
+          "efficientnet_b0": 5288548, "densenet121": 7978856}
+
+
+def test_models_import_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import blockpad.models as m\n"
+            "try:\n    m.network('resnet18')\nexcept m.BlockpadError as e:\n    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert TORCH in proc.stdout
+
+
+def test_networks_have_torchvisions_shapes_and_the_pruned_one_is_pruned():
+    torch = pytest.importorskip("torch", reason=TORCH)
+    from blockpad import models
+
+    for name, count in PARAMS.items():
+        net = models.network(name)
+        assert sum(p.numel() for p in net.parameters()) == count, name
+    full = [m.out_channels for m in models.network("resnet50").modules()
+            if isinstance(m, torch.nn.Conv2d)]
+    cut = [m.out_channels for m in models.network("resnet50_pruned").modules()
+           if isinstance(m, torch.nn.Conv2d)]
+    assert len(full) == len(cut) == 53
+    assert all(0.6 * f - 1 <= c <= 0.9 * f + 1 for f, c in zip(full, cut))
+    widths = set(cut)                                  # almost none a whole number of blocks
+    assert sum(c % 16 == 0 for c in widths) <= len(widths) // 8
+    again = [m.out_channels for m in models.network("resnet50_pruned").modules()
+             if isinstance(m, torch.nn.Conv2d)]
+    assert again == cut                                             # seeded
+
+
+def _relative_error(got, want):
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module")
+def small_resnet(tmp_path_factory):
+    """ResNet-18 at 32x32, batch 2, written with onnx.helper (no torch), built with the CLI."""
+    pytest.importorskip("onnx", reason="pip install onnx")
+    import onnx
+
+    from blockpad import cli
+    from blockpad.models import onnx_resnet
+
+    if not hasattr(bp.Graph, "from_onnx"):
+        pytest.skip("this blockpad has no ONNX importer (Graph.from_onnx)")
+    work = tmp_path_factory.mktemp("resnet18")
+    path = work / "resnet18.onnx"
+    onnx.save(onnx_resnet.resnet18(batch=2, hw=32), path)
+    assert cli.main(["build", str(path), "--target", "native", "--out", str(work / "bp")]) == 0
+    return path, work / "bp"
+
+
+def test_small_resnet18_from_onnx_matches_onnxruntime(small_resnet, tmp_path, capsys):
+    ort = pytest.importorskip("onnxruntime", reason="pip install onnxruntime")
+    path, out = small_resnet
+    x = np.random.default_rng(4).standard_normal((2, 3, 32, 32)).astype("float32")
+    want = ort.InferenceSession(str(path)).run(None, {"input": x})[0]
+    model = bp.load(out)
+    assert _relative_error(model(x), want) <= 1e-4
+    assert not model.run(x).report.fallbacks
+    # a fresh process: neither the compiler nor the onnx package
+    np.save(tmp_path / "x.npy", x)
+    r = _fresh(out, tmp_path / "x.npy", tmp_path / "y.npy",
+               env={"BLOCKPAD_CACHE_DIR": str(tmp_path / "empty-cache")})
+    assert r["modules"] == []
+    assert _relative_error(np.load(tmp_path / "y.npy"), want) <= 1e-4
+    capsys.readouterr()
+    from blockpad import cli
+
+    assert cli.main(["build", str(path), "--target", "native", "--out", str(out)]) == 0
+    assert "nothing to do" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "mobilenet_v2", "efficientnet_b0",
+                                  "densenet121", "resnet50_pruned"])
+def test_network_matches_pytorch_and_onnxruntime(name, batch, tmp_path):
+    """Full size (224x224; ``BLOCKPAD_MODELS_HW`` for a smaller image), fp32: the largest
+    error at most 1e-4 of the largest logit against both PyTorch and ONNX Runtime."""
+    torch = pytest.importorskip("torch", reason=TORCH)
+    ort = pytest.importorskip("onnxruntime", reason="pip install onnxruntime")
+    if not hasattr(bp.Graph, "from_onnx"):
+        pytest.skip("this blockpad has no ONNX importer (Graph.from_onnx)")
+    from blockpad import models
+
+    hw = int(os.environ.get("BLOCKPAD_MODELS_HW", "224"))
+    path = tmp_path / f"{name}.onnx"
+    net = models.export_onnx(name, path, batch, hw)
+    x = models.sample_input(batch, hw)
+    with torch.inference_mode():
+        want = net(torch.from_numpy(x)).numpy()
+    from_ort = ort.InferenceSession(str(path)).run(None, {"input": x})[0]
+    build_model(path, "native", tmp_path / "bp", log=lambda m: None)
+    got = bp.load(tmp_path / "bp")(x)
+    assert got.shape == want.shape
+    assert _relative_error(got, want) <= 1e-4
+    assert _relative_error(got, from_ort) <= 1e-4
