@@ -72,6 +72,22 @@ def main(argv=None) -> int:
     p.add_argument("--hw", type=int, default=28, help="spatial size of the chain's tensors")
     p.set_defaults(run=_report)
 
+    p = sub.add_parser("check", help="build and run random kernel specs against numpy "
+                       "(benchdnn-like): guard regions, NaN destinations, dirty padding")
+    p.add_argument("--target", default="host", help="target whose kernels run here: host, "
+                   "avx512 (where the CPU has it), neon / neon-dotprod (under qemu-aarch64)")
+    p.add_argument("--cases", type=int, default=100, help="how many random cases")
+    p.add_argument("--seed", type=int, default=0, help="the cases are a function of the seed")
+    p.add_argument("--case", type=int, default=None, metavar="K",
+                   help="run case K of the seed alone (what a failure's replay line says)")
+    p.add_argument("--ops", default=None, help="comma-separated ops to draw from (default: "
+                   "all)")
+    p.add_argument("--batch", type=int, default=25, help="kernels per built library")
+    p.add_argument("--out", default="check-failures", help="folder for failing cases' specs")
+    p.add_argument("--work", default=None, help="keep the built libraries here (default: a "
+                   "temporary folder, removed)")
+    p.set_defaults(run=_check)
+
     args = parser.parse_args(argv)
     try:
         return args.run(args) or 0
@@ -128,6 +144,21 @@ def _info(args):
           f"{len(manifest['kernels'])} kernels")
     for k in manifest["kernels"]:
         print(" ", Signature(k))
+
+
+def _check(args):
+    from .check import check, generate
+
+    ops = generate.OPS
+    if args.ops:
+        ops = tuple(o.strip() for o in args.ops.split(","))
+        unknown = [o for o in ops if o not in generate.OPS]
+        if unknown:
+            raise BlockpadError(f"--ops: expected some of {', '.join(generate.OPS)}; got "
+                                f"{', '.join(unknown)}")
+    summary = check(args.target, args.cases, args.seed, ops, args.case, args.batch, args.out,
+                    args.work)
+    return 1 if summary.failed else 0
 
 
 def _inspect(args):

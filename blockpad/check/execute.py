@@ -1,0 +1,309 @@
+"""Run checked cases against a built library and judge them: the part of ``blockpad check``
+that touches kernels, run in a child process (``python -m blockpad.check.execute``) so that a
+kernel that crashes takes down only its batch's worker, never the checker.
+
+Every argument lives in a buffer larger than its layout needs, filled with a guard pattern:
+the layout's elements sit in the middle, and every byte that is neither a logical element nor
+padding (the guard regions before and after, the gaps of a strided layout) must keep the
+pattern. Around one call:
+
+* sources hold random values; their padding is NaN (all-ones bits for integers) wherever the
+  padding contract the manifest records lets the caller hand over dirty padding, else zero;
+  sources the kernel only reads are read-only buffers and must come back byte for byte;
+* destinations start as NaN everywhere (their padding zeroed when the memory is made under
+  ``on_handle`` and ``user``, as those policies do);
+* the destination's logical elements are compared with ``reference`` within its error bound;
+  its padding must be zero wherever its state says ``clean``, its state must be ``clean``
+  under the policies that promise it, and padding a policy promises to preserve must be.
+
+On an aarch64 target the call runs under qemu-aarch64 (``blockpad.testing.qemu``), with the
+runtime's own padding steps (``runtime.padding``) around it; the harness copies each buffer's
+``alloc_len`` elements in and out, so guard regions there are checked on the copy only."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import numpy as np
+
+from blockpad.layout import numpy_dtype
+
+from .reference import reference
+
+GUARD_BYTES = 256           # each side of every buffer; a multiple of the 64-byte alignment
+GUARD_PATTERN = np.frombuffer(bytes.fromhex("addec07f"), np.uint8)   # float32 NaN 0x7fc0dead
+PROMISE_CLEAN = ("dst_fused", "dst_stage", "on_handle", "user")
+
+
+# ---- how a call is made: natively through the public API, or under qemu --------------------
+
+class Native:
+    """A library this machine runs: ``bp.load`` and ``Library.memory``."""
+
+    def __init__(self, lib_dir):
+        import blockpad as bp
+
+        self.lib = bp.load(lib_dir)
+
+    def signature(self, name):
+        return self.lib.kernels[name]
+
+    def memory(self, sig, layout, buf, clean):
+        return memory(sig, layout, buf, clean, self.lib)
+
+    def call(self, sig, mems):
+        self.lib[sig.name](*mems)
+
+
+class Emulated:
+    """An aarch64 library on another machine: the kernel runs under qemu-aarch64; the
+    runtime's padding steps (``runtime.padding``, what ``Kernel.__call__`` does around the
+    compiled function) run here, on the same memories."""
+
+    def __init__(self, lib_dir):
+        from blockpad.runtime import manifest as mf
+        from blockpad.runtime.library import Signature
+
+        self.dir = lib_dir
+        self.kernels = {k["name"]: Signature(k) for k in mf.read(lib_dir)["kernels"]}
+
+    def signature(self, name):
+        return self.kernels[name]
+
+    def memory(self, sig, layout, buf, clean):
+        return memory(sig, layout, buf, clean, None)
+
+    def call(self, sig, mems):
+        from blockpad.runtime import padding
+        from blockpad.testing import qemu
+
+        contract = sig.padding
+        sources = [m for m, a in zip(mems, sig.args) if a[1] in ("in", "inout")]
+        padding.before_call(contract, [m for m in sources if m.layout.has_padding])
+        calls = [(sig.name, mems)]
+        stage = contract.get("dst_stage") if contract else None
+        written = [m for m, a in zip(mems, sig.args) if a[1] != "in"]
+        calls += [(stage, [m]) for m in written if stage]
+        qemu.run_many(self.dir, calls)
+        for m in written:
+            padding.after_call(contract, sources, m, None)
+
+
+def memory(sig, layout, buf, clean, library):
+    """A Memory on ``buf`` made as the kernel's policy says a memory is made: what
+    ``Library.memory`` does for a library of that one policy (a checked library mixes
+    policies, one per kernel): under ``on_handle`` and ``user`` its padding is zeroed now
+    (``cleanup``), under the others it is left as it is, ``clean`` if so, else ``unknown``."""
+    from blockpad import Memory
+
+    mem = Memory(layout, buf, "clean" if clean else "unknown", library=library)
+    if not clean and (sig.padding or {}).get("policy") in ("on_handle", "user"):
+        mem.cleanup()
+    return mem
+
+
+def runner(lib_dir, target):
+    from blockpad.codegen.targets import get_target
+    from blockpad.runtime import machine
+
+    if get_target(target).arch != machine.arch():
+        return Emulated(lib_dir)
+    return Native(lib_dir)
+
+
+# ---- one case -----------------------------------------------------------------------------------
+
+def may_be_dirty(contract, op: str) -> bool:
+    """Whether a caller may hand this kernel a source with garbage in its padding: the
+    contract requires nothing of it (``requires: any``), or the runtime cleans it before the
+    call (``tracked`` from the memory's state, ``src`` with a source stage on every call,
+    ``on_handle`` / ``user`` when the memory is made). Reorders read logical elements only."""
+    if contract is None:
+        return op == "reorder"
+    return (contract["requires"] == "any" or contract["src_stage"]
+            or contract["policy"] in ("tracked", "on_handle", "user"))
+
+
+def source_values(name, layout, entry, sig, rng) -> np.ndarray:
+    """Random logical values: full-range integers (s8 -128..127, u8 0..255: a shifted or
+    compensated dot product must hold at the extremes), normal floats; dot-product weights and
+    scales shrink with the sum's length so post-ops (exp) see values of order one."""
+    dt = numpy_dtype(layout.dtype)
+    terms = _dot_terms(sig)
+    if name == "scale":
+        return (rng.uniform(0.5, 1.5, layout.shape) / (64 * 64 * np.sqrt(terms))).astype(dt)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        lo, hi = (info.min, info.max) if dt.itemsize == 1 else (-100, 100)
+        return rng.integers(lo, hi + 1, layout.shape).astype(dt)
+    x = rng.standard_normal(layout.shape)
+    if name == "weights":
+        x = x / np.sqrt(terms)
+    return x.astype(dt)
+
+
+def _dot_terms(sig) -> int:
+    if sig.op not in ("conv2d", "matmul"):
+        return 1
+    w = sig.args[1][2].shape
+    return int(np.prod(w[1:] if sig.op == "conv2d" and len(w) == 4 else
+                       w[2:] if sig.op == "conv2d" else w[:1]))
+
+
+class Arg:
+    """One argument: its guarded buffer, what it held before the call, its Memory."""
+
+    def __init__(self, name, role, layout):
+        self.name, self.role, self.layout = name, role, layout
+        dt = numpy_dtype(layout.dtype)
+        self.guard = GUARD_BYTES // dt.itemsize
+        from blockpad.runtime.memory import aligned_empty
+
+        self.whole = aligned_empty(layout.alloc_len + 2 * self.guard, dt)
+        raw = self.whole.view(np.uint8)
+        raw[:] = np.resize(GUARD_PATTERN, raw.size)
+        self.buf = self.whole[self.guard:self.guard + layout.alloc_len]
+        inside = np.zeros(self.whole.size, bool)
+        inside[layout.logical_offsets().reshape(-1) + self.guard] = True
+        inside[layout.padding_offsets() + self.guard] = True
+        self.outside = ~np.repeat(inside, dt.itemsize)     # per byte: guard and gaps
+
+    def snapshot(self):
+        self.before = self.whole.view(np.uint8).copy()
+
+    def changed(self, mask) -> int:
+        return int(np.count_nonzero((self.whole.view(np.uint8) != self.before) & mask))
+
+
+def run_case(k: int, entry: dict, seed: int, call) -> dict:
+    """Build the arguments of case ``k``, call its kernel, judge the result."""
+    sig = call.signature(entry["name"])
+    contract = sig.padding
+    rng = np.random.default_rng((seed, k, 1))
+    args, mems, inputs = [], [], {}
+    dirty_any = may_be_dirty(contract, sig.op)
+    for name, role, layout, _ in sig.args:
+        a = Arg(name, role, layout)
+        if role == "out":
+            a.buf.view(np.uint8)[:] = 0xFF                  # NaN / all ones: visible if left
+            mem = call.memory(sig, layout, a.buf, clean=False)
+        else:
+            values = source_values(name, layout, entry, sig, rng)
+            inputs["src" if sig.op == "zero_pad" else name] = values
+            dirty = sig.op == "zero_pad" or (dirty_any and rng.random() < 0.7)
+            a.buf[layout.logical_offsets()] = values
+            a.buf.view(np.uint8)[_padding_bytes(layout)] = 0xFF if dirty else 0
+            buf = a.buf
+            if role == "in":
+                buf = a.buf.view()
+                buf.flags.writeable = False
+            mem = call.memory(sig, layout, buf, clean=not dirty)
+            if dirty and layout.has_padding and mem.state != "clean" and rng.random() < 0.5:
+                mem.state = "dirty"
+        a.snapshot()
+        args.append(a)
+        mems.append(mem)
+    problems = []
+    try:
+        call.call(sig, mems)
+    except Exception as e:  # noqa: BLE001 - any failure of a valid call is a finding
+        return {"case": k, "status": "raised", "problems": [f"{type(e).__name__}: {e}"],
+                "guard_bytes": 0}
+    guard = 0
+    for a, mem in zip(args, mems):
+        n = a.changed(a.outside)
+        guard += n
+        if n:
+            problems.append(f"{a.name}: {n} guard bytes written (outside the layout's "
+                            f"elements and padding)")
+        if a.role == "in":
+            n = a.changed(~a.outside)
+            if n:
+                problems.append(f"{a.name}: read-only source changed ({n} bytes)")
+        else:
+            problems += _check_destination(a, mem, sig, entry, inputs)
+    status = "ok" if not problems else "wrong"
+    return {"case": k, "status": status, "problems": problems, "guard_bytes": guard}
+
+
+def _padding_bytes(layout) -> np.ndarray:
+    offs = layout.padding_offsets()
+    n = layout.itemsize
+    return (offs[:, None] * n + np.arange(n)).reshape(-1)
+
+
+def _check_destination(a: Arg, mem, sig, entry, inputs) -> list:
+    out = []
+    lay = a.layout
+    got = mem.to_numpy()
+    if sig.op == "zero_pad":
+        want, bound = inputs["src"], None
+    else:
+        want, bound = reference(entry, inputs)
+    out += _compare(a.name, got, want, bound)
+    contract = sig.padding or {}
+    pad = mem.buffer[lay.padding_offsets()].view(np.uint8) if lay.has_padding else None
+    if pad is not None:
+        nonzero = int(np.count_nonzero(pad.reshape(len(lay.padding_offsets()), -1).any(1)))
+        if mem.state == "clean" and nonzero:
+            out.append(f"{a.name}: state 'clean' but {nonzero} of {len(lay.padding_offsets())} "
+                       f"padding elements are not zero")
+        if contract.get("policy") in PROMISE_CLEAN and mem.state != "clean":
+            out.append(f"{a.name}: state {mem.state!r} after the call; policy "
+                       f"{contract['policy']!r} promises a clean destination")
+        if contract.get("produces") == "preserved":
+            before = a.before[a.guard * lay.itemsize:][_padding_bytes(lay)]
+            n = int(np.count_nonzero(before != pad))
+            if n:
+                out.append(f"{a.name}: {n} padding bytes written; the contract says "
+                           f"'produces: preserved'")
+    return out
+
+
+def _compare(name, got, want, bound) -> list:
+    if bound is None:
+        same = got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+        if same:
+            return []
+        per_byte = got.view(np.uint8).reshape(*got.shape, -1) != \
+            want.view(np.uint8).reshape(*want.shape, -1)
+        bad = np.argwhere(per_byte.any(-1))
+        i = tuple(int(v) for v in bad[0])
+        return [(f"{name}: {len(bad)} of {got.size} elements differ; first at {list(i)}: got "
+                f"{got[i]!r}, want {want[i]!r} (bit-exact op)")]
+    g = got.astype(np.float64)
+    err = np.abs(g - want)
+    bad = ~(err <= bound)
+    if not bad.any():
+        return []
+    worst = np.where(bad, np.nan_to_num(err, nan=np.inf), -1.0)
+    i = np.unravel_index(int(np.argmax(worst)), worst.shape)
+    i = tuple(int(v) for v in i)
+    allowed = float(np.broadcast_to(bound, err.shape)[i])
+    return [f"{name}: {int(bad.sum())} of {got.size} elements wrong; worst at {list(i)}: got "
+            f"{g[i]:.7g}, want {want[i]:.7g} (allowed error {allowed:.3g})"]
+
+
+# ---- the worker process ------------------------------------------------------------------------
+
+def main() -> int:
+    """Read ``{"dir", "target", "seed", "cases": [[k, entry], ...]}`` on stdin; print one JSON
+    line ``{"start": k}`` before each case and its result after, so the parent knows which
+    case was running if this process dies."""
+    job = json.load(sys.stdin)
+    call = runner(job["dir"], job["target"])
+    for k, entry in job["cases"]:
+        print(json.dumps({"start": k}), flush=True)
+        try:
+            result = run_case(k, entry, job["seed"], call)
+        except Exception:  # noqa: BLE001 - a checker bug: report it, keep checking
+            result = {"case": k, "status": "checker-error",
+                      "problems": [traceback.format_exc(limit=4)], "guard_bytes": 0}
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

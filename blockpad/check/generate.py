@@ -1,0 +1,324 @@
+"""Random kernel specs for ``blockpad check``, each a function of ``(seed, case number)`` only.
+
+A case is one ``[[kernel]]`` entry of a build spec (a dict ``bp.build`` takes through
+``parse_spec``): an op, its parameters, a padding policy and a layout per tensor. Case ``k`` of
+seed ``s`` is drawn from its own generator (``numpy.random.default_rng((s, k))``), so any case
+can be rebuilt alone from the pair that names it, whatever batch it first ran in.
+
+What is drawn, and why:
+
+* ops: reorder, zero_pad, eltwise, binary, conv2d (groups, depthwise, int8, bf16), matmul,
+  softmax / log-softmax, pool; post-op chains on conv2d and matmul;
+* shapes small (the checker runs thousands) but never block multiples by design: a partial last
+  block, dims of 1, odd spatial sizes are where padding code goes wrong;
+* layouts: plain, channels-last, blocked once or twice (``4i16o4i``), blocked on a spatial
+  dim, outer dims permuted, with a halo (``paddings``) or with gaps between dims (``strides``);
+* every padding policy, in place where the op has an in-place form, every dtype the op takes.
+
+Where a drawn combination is invalid *by design* (the spec would be rejected with a
+``SpecError`` that is right to reject it), the generator does not produce it; each such rule
+says why next to it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from blockpad.errors import LayoutError
+from blockpad.layout import Layout
+
+POLICIES = ("dst_fused", "dst_stage", "src", "on_handle", "tracked", "user")
+OPS = ("reorder", "zero_pad", "eltwise", "binary", "conv2d", "matmul", "softmax", "pool")
+# how often each op is drawn: the dot-product ops have the most code paths (and post-ops)
+WEIGHTS = {"reorder": 1.0, "zero_pad": 0.5, "eltwise": 1.5, "binary": 1.0, "conv2d": 2.5,
+           "matmul": 1.5, "softmax": 1.0, "pool": 1.0}
+ELTWISE = ("relu", "gelu_erf", "gelu_tanh", "sigmoid", "exp", "tanh", "clip", "linear")
+REORDER_DTYPES = ("float32", "float32", "bfloat16", "float16", "float64", "int8", "uint8",
+                  "int32")
+ELTWISE_DTYPES = ("float32", "float32", "float32", "float16", "float64")
+BINARY_DTYPES = ("float32", "float32", "float16", "float64", "int32")
+GENERIC = "abcdef"
+
+
+class Profile:
+    """What a target's kernels are drawn with: block sizes its vectors like, the dot-product
+    dtypes it computes."""
+
+    def __init__(self, blocks, dot_dtypes):
+        self.blocks = blocks
+        self.dot_dtypes = dot_dtypes
+
+
+_X86 = Profile((4, 8, 16), ("float32", "float32", "int8", "uint8", "bfloat16"))
+_ARM = Profile((4, 8), ("float32", "float32", "int8", "uint8", "bfloat16"))
+PROFILES = {"host": _X86, "avx512": _X86, "avx512-vnni": _X86, "amx": _X86, "neon": _ARM,
+            "neon-dotprod": _ARM}
+
+
+def case(seed: int, k: int, target: str, ops=OPS) -> dict:
+    """Spec entry of case ``k`` (named ``case<k>``)."""
+    rng = np.random.default_rng((seed, k))
+    ops = tuple(ops)
+    w = np.array([WEIGHTS[o] for o in ops])
+    op = ops[rng.choice(len(ops), p=w / w.sum())]
+    entry = _MAKERS[op](rng, PROFILES[target])
+    return {"name": f"case{k}", "op": op, **entry}
+
+
+# ---- layouts ----------------------------------------------------------------------------------
+
+def layout(rng, letters: str, shape, dtype: str, blocks, *, block=None, halo=None,
+           strides=True, permute=True) -> dict | str:
+    """A random layout of ``letters`` (the logical dims, in their family's order) for
+    ``shape``: a tag string or a ``{tag, paddings | strides}`` table. ``block``: the dims that
+    may be blocked, the first the usual one (``c`` of ``nChw16c``); ``halo``: the dims that
+    may take a halo (default any; ``""`` none)."""
+    for _ in range(50):
+        usual = block or letters[1] + letters[0] + letters[2:]    # b, as c of nchw
+        value = _draw_layout(rng, letters, shape, blocks, usual, halo, strides, permute)
+        try:
+            _as_layout(value, shape, dtype)
+        except LayoutError:
+            continue        # e.g. strides that do not fit: draw again
+        return value
+    return letters
+
+
+def _draw_layout(rng, letters, shape, blocks, block, halo, strides, permute):
+    rank = len(letters)
+    order = list(range(rank))
+    r = rng.random()
+    if permute and rank > 2 and r < 0.15:          # channels last: nhwc, ndhwc, acdb
+        order = [0, *range(2, rank), 1]
+    elif permute and r < 0.25:
+        rng.shuffle(order)
+    inner = []
+    usual = letters.index(block[0])
+    for i in range(int(rng.choice([0, 1, 2, 3], p=[0.3, 0.55, 0.12, 0.03]))):
+        d = usual if i == 0 and rng.random() < 0.8 else letters.index(rng.choice(list(block)))
+        # a dim blocked twice (4i16o4i, aBc16b8b): its later block stays small
+        inner.append((d, int(rng.choice((2, 4))) if any(e == d for e, _ in inner)
+                      else int(rng.choice(blocks))))
+    rng.shuffle(inner)
+    blocked = {d for d, _ in inner}
+    tag = "".join(letters[d].upper() if d in blocked else letters[d] for d in order)
+    tag += "".join(f"{b}{letters[d]}" for d, b in inner)
+    r = rng.random()
+    if r < 0.25 and halo != "":
+        pads = {}
+        for d in range(rank):
+            if d not in blocked and (halo is None or letters[d] in halo) and rng.random() < 0.6:
+                pads[letters[d]] = [int(rng.integers(0, 3)), int(rng.integers(0, 3))]
+        if any(sum(p) for p in pads.values()):
+            return {"tag": tag, "paddings": pads}
+    if strides and r > 0.85:
+        phys = Layout(tag, shape).physical_shape
+        out, s = [], 1
+        for n in reversed(phys):
+            out.append(s)
+            s = s * n + (int(rng.integers(1, 5)) if len(out) > 1 and rng.random() < 0.6 else 0)
+        if s != math.prod(phys):
+            return {"tag": tag, "strides": out[::-1]}
+    return tag
+
+
+def _as_layout(value, shape, dtype) -> Layout:
+    if isinstance(value, str):
+        return Layout(value, shape, dtype)
+    return Layout(value["tag"], shape, dtype, value.get("paddings"), value.get("strides"))
+
+
+def _shape(rng, rank, most=9):
+    return [int(rng.integers(1, most + 1)) for _ in range(rank)]
+
+
+def _policy(rng):
+    return str(rng.choice(POLICIES))
+
+
+# ---- ops --------------------------------------------------------------------------------------
+
+def _reorder(rng, prof):
+    rank = int(rng.integers(2, 6))
+    shape = _shape(rng, rank, 12)
+    dtype = str(rng.choice(REORDER_DTYPES))
+    letters = GENERIC[:rank]
+    return {"shape": shape, "dtype": dtype, "src": layout(rng, letters, shape, dtype, prof.blocks),
+            "dst": layout(rng, letters, shape, dtype, prof.blocks)}
+
+
+def _zero_pad(rng, prof):
+    rank = int(rng.integers(2, 6))
+    shape = _shape(rng, rank, 12)
+    dtype = str(rng.choice(REORDER_DTYPES))
+    return {"shape": shape, "dtype": dtype,
+            "layout": layout(rng, GENERIC[:rank], shape, dtype, prof.blocks)}
+
+
+def _eltwise_params(rng):
+    alg = str(rng.choice(ELTWISE))
+    alpha, beta = 0.0, 0.0
+    if alg == "relu" and rng.random() < 0.5:
+        alpha = 0.1
+    elif alg == "clip":
+        alpha, beta = -0.5, float(rng.choice([0.5, 1.5]))
+    elif alg == "linear":
+        alpha, beta = float(rng.choice([2.0, -0.5])), float(rng.choice([0.0, 1.0]))
+    return {"algorithm": alg, "alpha": alpha, "beta": beta}
+
+
+def _inplace(rng, entry, src, dst="dst"):
+    """In place with probability 1/4: the source's layout becomes the destination's (an
+    in-place kernel has one layout for both, by design: ``inplace`` without it is refused)."""
+    if rng.random() < 0.25:
+        entry[src] = entry[dst]
+        entry["inplace"] = True
+    return entry
+
+
+def _eltwise(rng, prof):
+    rank = int(rng.integers(2, 6))
+    shape = _shape(rng, rank)
+    dtype = str(rng.choice(ELTWISE_DTYPES))
+    letters = GENERIC[:rank]
+    entry = {"shape": shape, "dtype": dtype, "policy": _policy(rng), **_eltwise_params(rng),
+             "src": layout(rng, letters, shape, dtype, prof.blocks),
+             "dst": layout(rng, letters, shape, dtype, prof.blocks)}
+    return _inplace(rng, entry, "src")
+
+
+def _binary(rng, prof):
+    rank = int(rng.integers(2, 6))
+    shape0 = _shape(rng, rank)
+    shape1 = [1 if rng.random() < 0.3 else n for n in shape0]
+    if rng.random() < 0.2:   # broadcasting both ways: src0 has the 1s
+        shape0, shape1 = shape1, shape0
+    out = [max(a, b) for a, b in zip(shape0, shape1)]
+    dtype = str(rng.choice(BINARY_DTYPES))
+    letters = GENERIC[:rank]
+    entry = {"shape": shape0, "shape1": shape1, "dtype": dtype, "policy": _policy(rng),
+             "algorithm": str(rng.choice(["add", "mul"])),
+             "src0": layout(rng, letters, shape0, dtype, prof.blocks),
+             "src1": layout(rng, letters, shape1, dtype, prof.blocks),
+             "dst": layout(rng, letters, out, dtype, prof.blocks)}
+    if shape0 == out:        # in place overwrites src0, so src0 must have dst's shape
+        _inplace(rng, entry, "src0")
+    return entry
+
+
+def _softmax(rng, prof):
+    rank = int(rng.integers(2, 6))
+    shape = _shape(rng, rank)
+    letters = GENERIC[:rank]
+    entry = {"shape": shape, "policy": _policy(rng), "axis": int(rng.integers(-rank, rank)),
+             "log": bool(rng.random() < 0.4),
+             "src": layout(rng, letters, shape, "float32", prof.blocks),
+             "dst": layout(rng, letters, shape, "float32", prof.blocks)}
+    return _inplace(rng, entry, "src")
+
+
+def window_ok(n, k, s, p, d) -> bool:
+    """Every window of a pooling holds at least one cell of the image (an average over no
+    cells is undefined, and pool refuses such a geometry by design)."""
+    out = (n + 2 * p - d * (k - 1) - 1) // s + 1
+    return out >= 1 and all(any(0 <= o * s - p + i * d < n for i in range(k)) for o in range(out))
+
+
+def _spatial(rng, h, w):
+    """kernel, stride, pad, dilation pairs (each per dim) that fit an h x w image."""
+    for _ in range(100):
+        kernel = [int(rng.choice([1, 2, 3, 3, 5])) for _ in range(2)]
+        stride = [int(rng.choice([1, 1, 2, 3])) for _ in range(2)]
+        dilation = [int(rng.choice([1, 1, 1, 2])) for _ in range(2)]
+        pad = [int(rng.integers(0, (k - 1) * d + 1)) if rng.random() < 0.7 else 0
+               for k, d in zip(kernel, dilation)]
+        if all(window_ok(n, k, s, p, d) for n, k, s, p, d in
+               zip((h, w), kernel, stride, pad, dilation)):
+            return kernel, stride, pad, dilation
+    return [1, 1], [1, 1], [0, 0], [1, 1]
+
+
+def _pool(rng, prof):
+    shape = [int(rng.integers(1, 3)), int(rng.integers(1, 21)), *_shape(rng, 2)]
+    kernel, stride, pad, dilation = _spatial(rng, *shape[2:])
+    out = [shape[0], shape[1], *((n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
+                                 zip(shape[2:], kernel, stride, pad, dilation))]
+    return {"shape": shape, "policy": _policy(rng), "algorithm": str(rng.choice(["max", "avg"])),
+            "exclude_pad": bool(rng.random() < 0.5), "kernel": kernel, "stride": stride,
+            "pad": pad, "dilation": dilation,
+            "src": layout(rng, "nchw", shape, "float32", prof.blocks, block="chw", halo="hw"),
+            "dst": layout(rng, "nchw", out, "float32", prof.blocks, block="chw", halo="hw")}
+
+
+def _post_ops(rng):
+    chain = []
+    for _ in range(int(rng.choice([0, 0, 1, 2, 3]))):
+        kind = str(rng.choice(["bias", "eltwise", "eltwise", "sum"]))
+        if kind != "eltwise" and any(p["kind"] == kind for p in chain):
+            continue         # bias and sum name a tensor: at most one of each, by design
+        if kind == "eltwise":
+            chain.append({"kind": "eltwise", **_eltwise_params(rng)})
+        elif kind == "sum":
+            chain.append({"kind": "sum", "scale": float(rng.choice([1.0, 0.5]))})
+        else:
+            chain.append({"kind": "bias"})
+    return chain
+
+
+def _dot_tensors(rng, entry, dst_letters, dst_shape, prof):
+    """dst's layout, and the sum post-op's: oneDNN's sum reads a tensor laid out like the
+    destination (the same padded dims and halo), so it takes dst's layout, by design."""
+    nchw = dst_letters == "nchw"
+    entry["dst"] = layout(rng, dst_letters, dst_shape, "float32", prof.blocks,
+                          block="chw" if nchw else "ba", halo="hw" if nchw else None)
+    if any(p["kind"] == "sum" for p in entry["post_ops"]):
+        entry["sum"] = entry["dst"]
+    return entry
+
+
+def _conv2d(rng, prof):
+    dtype = str(rng.choice(prof.dot_dtypes))
+    n, h, w = int(rng.integers(1, 3)), *_shape(rng, 2)
+    r = rng.random()
+    if r < 0.6:
+        groups, c, k = 1, int(rng.integers(1, 41)), int(rng.integers(1, 41))
+    elif r < 0.8:
+        groups = int(rng.choice([2, 3, 4]))
+        c, k = groups * int(rng.integers(1, 9)), groups * int(rng.integers(1, 9))
+    else:                                            # depthwise, with a channel multiplier
+        c = int(rng.integers(1, 25))
+        groups, k = c, c * int(rng.choice([1, 1, 2]))
+    kernel, stride, pad, dilation = _spatial(rng, h, w)
+    out = [(m + 2 * p - d * (q - 1) - 1) // s + 1
+           for m, q, s, p, d in zip((h, w), kernel, stride, pad, dilation)]
+    wdtype = "int8" if dtype in ("int8", "uint8") else dtype
+    if groups == 1:
+        wshape, wletters, wblock = [k, c, *kernel], "oihw", "io"
+    else:
+        wshape, wletters = [groups, k // groups, c // groups, *kernel], "goihw"
+        wblock = "g" if c == groups else "io"
+    entry = {"shape": [n, c, h, w], "dtype": dtype, "channels": k, "groups": groups,
+             "kernel": kernel, "stride": stride, "pad": pad, "dilation": dilation,
+             "spatial_pad": str(rng.choice(["fused", "stage"])), "policy": _policy(rng),
+             "post_ops": _post_ops(rng),
+             "src": layout(rng, "nchw", [n, c, h, w], dtype, prof.blocks, block="chw",
+                           halo="hw"),
+             "weights": layout(rng, wletters, wshape, wdtype, prof.blocks, block=wblock,
+                               halo="", permute=False)}
+    return _dot_tensors(rng, entry, "nchw", [n, k, *out], prof)
+
+
+def _matmul(rng, prof):
+    dtype = str(rng.choice(prof.dot_dtypes))
+    m, kk, n = int(rng.integers(1, 18)), int(rng.integers(1, 71)), int(rng.integers(1, 41))
+    wdtype = "int8" if dtype in ("int8", "uint8") else dtype
+    entry = {"shape": [m, kk], "dtype": dtype, "n": n, "policy": _policy(rng),
+             "post_ops": _post_ops(rng),
+             "src": layout(rng, "ab", [m, kk], dtype, prof.blocks, block="ba"),
+             "weights": layout(rng, "ab", [kk, n], wdtype, prof.blocks, block="ba", halo="")}
+    return _dot_tensors(rng, entry, "ab", [m, n], prof)
+
+
+_MAKERS = {"reorder": _reorder, "zero_pad": _zero_pad, "eltwise": _eltwise, "binary": _binary,
+           "conv2d": _conv2d, "matmul": _matmul, "softmax": _softmax, "pool": _pool}

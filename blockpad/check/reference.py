@@ -1,0 +1,177 @@
+"""numpy references for ``blockpad check``, written from the ops' definitions (oneDNN
+semantics) and nothing else: no code from ``codegen/`` or the runtime's graph ops, so a kernel is
+never compared with what it was generated from.
+
+``reference(entry, inputs)`` takes a spec entry and the logical arrays of its sources (by tensor
+name) and returns ``(want, bound)``: the expected destination, computed in float64 (exactly, in
+the destination's dtype, for data movement and integer arithmetic), and per element the largest
+error a correct kernel may make (``None``: bit-exact). The bounds follow the arithmetic: one
+rounding per operation in the kernel's type, a dot product's sum bounded by ``K u sum|x w|``
+(the classic bound for any summation order), and a post-op chain carrying the error it was
+handed through each function (``f(v +- bound)``)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# unit roundoff of the type a kernel computes in
+UNIT = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11,
+        "bfloat16": 2.0 ** -8}
+# transcendental functions (exp, tanh, erf) are polynomial approximations: allow this many
+# roundings for one evaluation
+FUNCTION_ULPS = 32
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+ELTWISE = {
+    "relu": lambda x, a, b: np.where(x > 0, x, x * a),
+    "gelu_erf": lambda x, a, b: 0.5 * x * (1 + _erf(x / math.sqrt(2)).astype(np.float64)),
+    "gelu_tanh": lambda x, a, b: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi)
+                                                         * (x + 0.044715 * x ** 3))),
+    "sigmoid": lambda x, a, b: 1 / (1 + np.exp(-x)),
+    "exp": lambda x, a, b: np.exp(x),
+    "tanh": lambda x, a, b: np.tanh(x),
+    "clip": lambda x, a, b: np.clip(x, a, b),
+    "linear": lambda x, a, b: a * x + b,
+}
+
+
+def eltwise_fn(p: dict):
+    """``x -> f(x)`` of an eltwise op or post-op entry (float64)."""
+    f = ELTWISE[p.get("algorithm", "relu")]
+    a, b = float(p.get("alpha", 0.0)), float(p.get("beta", 0.0))
+    return lambda x: f(np.asarray(x, np.float64), a, b)
+
+
+def through(f, v, bound, unit):
+    """``(f(v), bound)`` of ``f`` applied in a type of ``unit`` to a value known to ``bound``:
+    the input's error carried through ``f`` plus the function's own."""
+    y = f(v)
+    carried = np.maximum(np.abs(f(v + bound) - y), np.abs(f(v - bound) - y))
+    return y, carried + FUNCTION_ULPS * unit * (1 + np.abs(y))
+
+
+def _wide(a):
+    return a.astype(np.int64) if a.dtype.kind in "iu" else a.astype(np.float64)
+
+
+# ---- ops --------------------------------------------------------------------------------------
+
+def reorder(entry, t):
+    return t["src"], None
+
+
+def eltwise(entry, t):
+    x = t["src"]
+    return through(eltwise_fn(entry), _wide(x), 0.0, UNIT[x.dtype.name])
+
+
+def binary(entry, t):
+    a, b = t["src0"], t["src1"]
+    op = np.add if entry.get("algorithm", "add") == "add" else np.multiply
+    if a.dtype.kind in "iu":     # wraps like the kernel's integer arithmetic
+        return op(_wide(a), _wide(b)).astype(a.dtype), None
+    want = op(_wide(a), _wide(b))
+    return want, 2 * UNIT[a.dtype.name] * np.abs(want)
+
+
+def softmax(entry, t):
+    axis = entry.get("axis", 1)
+    x = t["src"].astype(np.float64)
+    shifted = x - x.max(axis, keepdims=True)
+    e = np.exp(shifted)
+    s = e / e.sum(axis, keepdims=True)
+    u = UNIT["float32"]
+    if entry.get("log"):
+        want = np.log(s)
+        return want, FUNCTION_ULPS * u * (1 + np.abs(want) + np.abs(x))
+    # exp of an argument rounded to float32, then a sum of the axis' terms
+    return s, u * s * (FUNCTION_ULPS * (1 + np.abs(shifted)) + x.shape[axis])
+
+
+def pool(entry, t):
+    x = t["src"].astype(np.float64)
+    (kh, kw), (ph, pw), (dh, dw) = entry["kernel"], entry["pad"], entry["dilation"]
+    sh, sw = entry.get("stride") or entry["kernel"]
+    n, c, h, w = x.shape
+    oh, ow = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    want, scale = np.zeros((n, c, oh, ow)), np.zeros((n, c, oh, ow))
+    is_max = entry.get("algorithm", "max") == "max"
+    for i in range(oh):
+        rows = [r for r in (i * sh - ph + a * dh for a in range(kh)) if 0 <= r < h]
+        for j in range(ow):
+            cols = [q for q in (j * sw - pw + b * dw for b in range(kw)) if 0 <= q < w]
+            win = x[:, :, rows][:, :, :, cols]
+            if is_max:
+                want[:, :, i, j] = win.max((2, 3))
+                continue
+            cells = len(rows) * len(cols) if entry.get("exclude_pad", True) else kh * kw
+            want[:, :, i, j] = win.sum((2, 3)) / cells
+            scale[:, :, i, j] = np.abs(win).sum((2, 3)) / cells
+    if is_max:
+        return want, np.zeros_like(want)
+    u = UNIT["float32"]
+    return want, (kh * kw + 2) * u * scale + u * np.abs(want)
+
+
+def conv(x, w, entry):
+    """Direct convolution of float64 or int64 arrays, oneDNN's definition: stride, symmetric
+    pad, dilation (1 = dense), groups with weights ``(G, K/G, C/G, KH, KW)``."""
+    (sh, sw), (ph, pw), (dh, dw) = entry["stride"], entry["pad"], entry["dilation"]
+    g = entry.get("groups", 1)
+    w = w.reshape(-1, *w.shape[-3:]) if g > 1 else w        # (K, C/G, KH, KW)
+    kh, kw = w.shape[2:]
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    cg, kg = x.shape[1] // g, w.shape[0] // g
+    out = []
+    for gi in range(g):
+        xg, wg = xp[:, gi * cg:(gi + 1) * cg], w[gi * kg:(gi + 1) * kg]
+        out.append(sum(np.einsum("nchw,kc->nkhw", xg[:, :, i * dh:i * dh + sh * oh:sh,
+                                                      j * dw:j * dw + sw * ow:sw], wg[:, :, i, j])
+                       for i in range(kh) for j in range(kw)))
+    return np.concatenate(out, axis=1)
+
+
+def dot(entry, t):
+    """conv2d and matmul: the product in int64 or float64, the output scale, then the post-op
+    chain in order, each step in float32 (the kernels' accumulator type)."""
+    x, w = _wide(t["src"]), _wide(t["weights"])
+    if entry["op"] == "matmul":
+        acc, absacc = x @ w, np.abs(x) @ np.abs(w)
+        terms, channel = x.shape[1], (slice(None),)
+    else:
+        acc, absacc = conv(x, w, entry), conv(np.abs(x), np.abs(w), entry)
+        # products per output: C/G x KH x KW (weights (K, C, KH, KW) or (G, K/G, C/G, KH, KW))
+        terms = t["weights"][0].size if entry.get("groups", 1) == 1 else t["weights"][0, 0].size
+        channel = (slice(None), None, None)
+    u = UNIT["float32"]
+    v = acc.astype(np.float64)
+    if "scale" in t:            # integer: exact int32 sum, rounded to float32, scaled
+        v = v * t["scale"].astype(np.float64)[channel]
+        bound = 3 * u * np.abs(v)
+    else:
+        bound = terms * u * absacc.astype(np.float64)
+    for p in entry.get("post_ops", []):
+        if p["kind"] == "bias":
+            v = v + t["bias"].astype(np.float64)[channel]
+            bound = bound + u * np.abs(v)
+        elif p["kind"] == "sum":
+            v = v + p.get("scale", 1.0) * t["sum"].astype(np.float64)
+            bound = bound + 2 * u * np.abs(v)
+        else:
+            v, bound = through(eltwise_fn(p), v, bound, u)
+    return v, bound + u * np.abs(v)
+
+
+REFERENCES = {"reorder": reorder, "eltwise": eltwise, "binary": binary, "softmax": softmax,
+              "pool": pool, "conv2d": dot, "matmul": dot}
+
+
+def reference(entry: dict, inputs: dict):
+    """``(want, bound)`` for a spec entry (defaults filled in) on its sources' logical
+    arrays."""
+    return REFERENCES[entry["op"]](entry, inputs)

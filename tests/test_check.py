@@ -1,0 +1,184 @@
+"""``blockpad check``: a fixed-seed sample of random cases on the host (what CI runs of the
+checker), and the checker's own machinery: cases are a function of (seed, case), every drawn
+spec is valid, each kind of fault a kernel can commit is caught, a crashing case is pinned down
+without losing the rest of its batch, and a failure's spec reads back and builds."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import tomllib
+
+import numpy as np
+import pytest
+
+import blockpad as bp
+from blockpad.check import driver, execute, generate, replay
+from blockpad.cli import main
+from blockpad.codegen.spec import parse_spec
+from blockpad.testing import qemu
+
+SAMPLE_SEED = 16
+SAMPLE_CASES = 16
+
+
+def test_fixed_seed_sample_on_host(tmp_path, capsys):
+    """The CI sample: random ops, layouts, policies and dtypes, built as one library, every case
+    right, no crash, no guard byte written."""
+    assert main(["check", "--target", "host", "--seed", str(SAMPLE_SEED), "--cases",
+                 str(SAMPLE_CASES), "--batch", str(SAMPLE_CASES), "--out",
+                 str(tmp_path / "failures")]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{SAMPLE_CASES} cases on host (seed {SAMPLE_SEED}): {SAMPLE_CASES} ok, 0 wrong, " \
+           f"0 crashes; 0 guard bytes written" in out
+    assert not (tmp_path / "failures").exists()
+
+
+@pytest.mark.skipif(bool(qemu.missing_tools()), reason="aarch64 toolchain / emulator not "
+                    "installed: " + "; ".join(qemu.missing_tools()))
+def test_fixed_seed_sample_on_neon_under_qemu(tmp_path):
+    summary = driver.check("neon", cases=4, seed=SAMPLE_SEED, batch=4,
+                           out=str(tmp_path / "failures"), log=lambda m: None)
+    assert (summary.checked, summary.failed, summary.guard_bytes) == (4, 0, 0), summary.failures
+
+
+# ---- the generator -----------------------------------------------------------------------------
+
+def test_cases_are_a_function_of_seed_and_number():
+    assert generate.case(3, 17, "host") == generate.case(3, 17, "host")
+    assert generate.case(3, 17, "host") != generate.case(3, 18, "host")
+    assert generate.case(3, 17, "host") != generate.case(4, 17, "host")
+    only = {generate.case(0, k, "host", ("pool", "softmax"))["op"] for k in range(30)}
+    assert only == {"pool", "softmax"}
+
+
+@pytest.mark.parametrize("target", ["host", "neon"])
+def test_every_drawn_case_is_a_valid_spec(target):
+    """The generator draws only what the spec accepts (parse time checks shapes, layouts,
+    parameters), and covers every op, policy, in place and post-op kinds."""
+    entries = [generate.case(0, k, target) for k in range(300)]
+    spec = parse_spec({"kernel": entries})
+    assert len(spec.kernels) == 300
+    assert {e["op"] for e in entries} == set(generate.OPS)
+    assert {e["policy"] for e in entries if "policy" in e} == set(generate.POLICIES)
+    assert any(e.get("inplace") for e in entries)
+    assert {p["kind"] for e in entries for p in e.get("post_ops", [])} == {"bias", "eltwise", "sum"}
+    assert {e["dtype"] for e in entries if e["op"] == "conv2d"} == \
+        {"float32", "int8", "uint8", "bfloat16"}
+    assert any(isinstance(e.get("dst"), dict) and "strides" in e["dst"] for e in entries)
+    assert any(isinstance(e.get("src"), dict) and "paddings" in e["src"] for e in entries)
+
+
+def test_pool_windows_always_hold_an_image_cell():
+    assert generate.window_ok(5, 3, 1, 1, 1)
+    assert not generate.window_ok(1, 2, 1, 1, 2)     # cells at -1 and 1 of a 1-wide image
+    assert not generate.window_ok(3, 1, 1, 1, 1)     # the padded column alone
+
+
+# ---- the checker catches what it is for ----------------------------------------------------------
+
+ENTRY = {"name": "case0", "op": "eltwise", "shape": [2, 5, 3, 3], "dtype": "float32",
+         "policy": "dst_fused", "algorithm": "sigmoid", "alpha": 0.0, "beta": 0.0,
+         "src": "nchw", "dst": "nChw8c"}
+
+
+@pytest.fixture(scope="module")
+def lib_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("check") / "lib"
+    bp.build(parse_spec({"kernel": [ENTRY]}), "host", out, log=lambda m: None)
+    return str(out)
+
+
+class Faulty(execute.Native):
+    """The real kernel, then one fault of the kind a kernel can commit."""
+
+    def __init__(self, lib_dir, fault):
+        super().__init__(lib_dir)
+        self.fault = fault
+
+    def call(self, sig, mems):
+        super().call(sig, mems)
+        self.fault(*mems)
+
+
+def _byte_after(mem):
+    ctypes.memset(mem.buffer.ctypes.data + mem.buffer.nbytes, 0, 1)
+
+
+def _first_value(mem):
+    mem.buffer[mem.layout.logical_offsets().flat[0]] += 1
+
+
+def _source_byte(src, dst):
+    """Flip a byte of a read-only source behind numpy's back, as a stray store would."""
+    addr = src.buffer.ctypes.data + 4 * int(src.layout.logical_offsets().flat[7])
+    byte = ctypes.cast(addr, ctypes.POINTER(ctypes.c_ubyte))
+    byte[0] ^= 0xFF
+
+
+def _padding(mem):
+    mem.buffer[mem.layout.padding_offsets()[0]] = 1.0
+
+
+def _state(mem):
+    mem.state = "unknown"
+
+
+@pytest.mark.parametrize("fault, found", [
+    (lambda s, d: None, None),
+    (lambda s, d: _byte_after(d), "dst: 1 guard bytes written"),
+    (lambda s, d: _byte_after(s), "src: 1 guard bytes written"),
+    (lambda s, d: _first_value(d), "dst: 1 of 90 elements wrong; worst at [0, 0, 0, 0]"),
+    (_source_byte, "src: read-only source changed (1 bytes)"),
+    (lambda s, d: _padding(d), "dst: state 'clean' but 1 of 54 padding elements are not zero"),
+    (lambda s, d: _state(d), "policy 'dst_fused' promises a clean destination"),
+])
+def test_each_fault_is_reported(lib_dir, fault, found):
+    result = execute.run_case(0, ENTRY, 0, Faulty(lib_dir, fault))
+    if found is None:
+        assert result == {"case": 0, "status": "ok", "problems": [], "guard_bytes": 0}
+        return
+    assert result["status"] == "wrong"
+    assert any(found in p for p in result["problems"]), result["problems"]
+
+
+FAKE_WORKER = """
+import json, os, sys
+job = json.load(sys.stdin)
+for k, entry in job["cases"]:
+    print(json.dumps({"start": k}), flush=True)
+    if entry["name"] == "crash":
+        os.abort()
+    print(json.dumps({"case": k, "status": "ok", "problems": [], "guard_bytes": 0}), flush=True)
+"""
+
+
+def test_a_crashing_case_is_pinned_down_and_the_batch_goes_on(tmp_path, monkeypatch):
+    script = tmp_path / "worker.py"
+    script.write_text(FAKE_WORKER)
+    monkeypatch.setattr(driver, "WORKER", (sys.executable, str(script)))
+    entries = {k: {"name": "crash" if k == 12 else "fine"} for k in (10, 11, 12, 13)}
+    results = sorted(driver._execute("unused", "host", 0, entries), key=lambda r: r["case"])
+    assert [(r["case"], r["status"]) for r in results] == \
+        [(10, "ok"), (11, "ok"), (12, "crash"), (13, "ok")]
+    assert "signal 6" in results[2]["problems"][0]
+
+
+def test_a_failure_writes_a_spec_that_reads_back_and_builds(tmp_path):
+    entry = generate.case(5, 3, "host", ("conv2d",))
+    path = replay.write_spec(tmp_path, "host", 5, 3, ("conv2d",), entry, ["dst: wrong"])
+    text = open(path).read()
+    assert "# replay (same data): blockpad check --target host --seed 5 --case 3 --ops conv2d" \
+        in text
+    doc = tomllib.loads(text)
+    assert doc["kernel"] == [entry]
+    assert parse_spec(doc).kernels[0].name == "case3"
+
+
+def test_bounds_reject_a_wrong_result_and_accept_rounding():
+    x = np.random.default_rng(0).standard_normal((4, 7)).astype(np.float32)
+    want, bound = execute.reference({"op": "eltwise", "algorithm": "tanh"}, {"src": x})
+    got = np.tanh(x)                         # float32 tanh: rounded, within the bound
+    assert not execute._compare("dst", got, want, bound)
+    got[1, 2] += 1e-3
+    assert "1 of 28 elements wrong; worst at [1, 2]" in execute._compare("dst", got, want, bound)[0]
