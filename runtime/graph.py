@@ -22,8 +22,10 @@ Planning (once per set of input layouts) runs the passes:
   between ops; a reorder is inserted only where a consumer needs a layout no version of the
   value has (each version made once, shared by every consumer); results are reordered to plain
   only when the caller reads them; weights are reordered once and kept, and re-reordered when
-  the caller's array changes (``weights="check"``: an adler32 of each weight per run) or when
-  told (``weights="frozen"``: a snapshot, refreshed by ``set_constant``);
+  the caller's array changes (``weights="check"``: each run compares the caller's array byte
+  for byte with a copy kept at the reorder: a checksum such as adler32 can be fooled by a few
+  sign flips, a compare cannot, and it is the cheaper of the two) or when told
+  (``weights="frozen"``: a snapshot, refreshed by ``set_constant``);
 * **fallback**: an op whose blocked kernel cannot be had (not prebuilt, not compilable) runs on
   plain layouts; one with no kernel at all runs its numpy reference;
 * **memory planning**: buffers of intermediate values share slots of an arena once their last
@@ -40,7 +42,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,7 +97,10 @@ class Report:
     arena_bytes: int = 0            # bytes the planned arena holds (slots reused)
     weight_bytes: int = 0           # prepared (reordered) weights, kept between runs
     cache: dict = field(default_factory=dict)       # kernel-cache counters during this run
-    seconds: float = 0.0
+    seconds: float = 0.0            # the whole run() call: plan_seconds + run_seconds
+    plan_seconds: float = 0.0       # planning, with the kernels it compiled or loaded (a first
+    #                                 run for these input layouts; a lookup afterwards)
+    run_seconds: float = 0.0        # weights checked/reordered, the steps run
 
     def as_dict(self):
         return dict(self.__dict__)
@@ -106,7 +110,8 @@ class Report:
         cache = ", ".join(f"{k} {v}" for k, v in self.cache.items() if v)
         lines = [
             f"policy {self.policy}: {self.ops} ops, {self.kernels} kernel calls, "
-            f"{1e3 * self.seconds:.2f} ms",
+            f"{1e3 * self.seconds:.2f} ms ({1e3 * self.plan_seconds:.2f} ms planning and "
+            f"compiling, {1e3 * self.run_seconds:.2f} ms running)",
             f"  reorders      {self.reorders} activation, {self.weight_reorders} weight, "
             f"{self.output_reorders} result (lazy)",
             f"  in place      {len(self.inplace)}: {', '.join(self.inplace) or '-'}",
@@ -231,7 +236,7 @@ class Graph:
         self._plans: dict = {}
         self._lock = threading.RLock()
         self._weights: dict = {}      # (constant, Layout) -> prepared Memory
-        self._weight_sums: dict = {}  # constant -> adler32 when its weights were prepared
+        self._weight_bytes: dict = {}  # constant -> a copy of its bytes when it was reordered
         self._stale: set = set()
         self._prepacked: set = set()  # constants held only in packed layouts (see prepacked)
 
@@ -356,23 +361,25 @@ class Graph:
         return self.add_op("eltwise", [x], {"algorithm": algorithm, "alpha": float(alpha),
                                             "beta": float(beta)}, name, _outs(out))
 
-    def relu(self, x, alpha=0.0, name=None):
-        return self.eltwise(x, "relu", alpha, name=name)
+    # Every op method takes ``name`` (the op's name, and its output's unless ``out`` is given)
+    # and ``out`` (a variable to write: a new name, or an existing one written again).
+    def relu(self, x, alpha=0.0, name=None, out=None):
+        return self.eltwise(x, "relu", alpha, name=name, out=out)
 
-    def gelu(self, x, approximate="erf", name=None):
-        return self.eltwise(x, "gelu_" + approximate, name=name)
+    def gelu(self, x, approximate="erf", name=None, out=None):
+        return self.eltwise(x, "gelu_" + approximate, name=name, out=out)
 
-    def sigmoid(self, x, name=None):
-        return self.eltwise(x, "sigmoid", name=name)
+    def sigmoid(self, x, name=None, out=None):
+        return self.eltwise(x, "sigmoid", name=name, out=out)
 
-    def tanh(self, x, name=None):
-        return self.eltwise(x, "tanh", name=name)
+    def tanh(self, x, name=None, out=None):
+        return self.eltwise(x, "tanh", name=name, out=out)
 
-    def exp(self, x, name=None):
-        return self.eltwise(x, "exp", name=name)
+    def exp(self, x, name=None, out=None):
+        return self.eltwise(x, "exp", name=name, out=out)
 
-    def linear(self, x, alpha=1.0, beta=0.0, name=None):
-        return self.eltwise(x, "linear", alpha, beta, name=name)
+    def linear(self, x, alpha=1.0, beta=0.0, name=None, out=None):
+        return self.eltwise(x, "linear", alpha, beta, name=name, out=out)
 
     def binary(self, a, b, algorithm="add", name=None, out=None) -> Tensor:
         if algorithm not in ("add", "mul"):
@@ -383,11 +390,11 @@ class Graph:
             a, b = b, a      # commutative: the full-shape operand first (the kernel's src0)
         return self.add_op("binary", [a, b], {"algorithm": algorithm}, name, _outs(out))
 
-    def add(self, a, b, name=None):
-        return self.binary(a, b, "add", name)
+    def add(self, a, b, name=None, out=None):
+        return self.binary(a, b, "add", name, out)
 
-    def mul(self, a, b, name=None):
-        return self.binary(a, b, "mul", name)
+    def mul(self, a, b, name=None, out=None):
+        return self.binary(a, b, "mul", name, out)
 
     def softmax(self, x, axis=1, name=None, out=None, log=False) -> Tensor:
         """Softmax over ``axis`` (the blocked channel axis by default); ``log``: log-softmax."""
@@ -406,7 +413,8 @@ class Graph:
         ``pad``: symmetric, an int or (h, w). ``post_ops``: oneDNN's chain
         fused into the kernel, e.g. ``["bias", "relu"]`` or dicts ``{"kind": "eltwise",
         "algorithm": "relu"}``, ``{"kind": "sum", "scale": 1.0}`` (reads ``sum``). A ``bias``
-        given without a chain is applied first."""
+        given without a chain is applied first; a ``sum`` tensor has no such default place in
+        the chain (before or after an activation differ), so it needs its ``"sum"`` entry."""
         chain = [_post_op(p) for p in post_ops]
         if bias is not None and not any(p["kind"] == "bias" for p in chain):
             chain.insert(0, {"kind": "bias"})
@@ -414,6 +422,10 @@ class Graph:
             raise ArgumentError("conv2d: a 'bias' post-op needs the bias tensor")
         if any(p["kind"] == "sum" for p in chain) and sum is None:
             raise ArgumentError("conv2d: a 'sum' post-op needs the tensor to add (sum=...)")
+        if sum is not None and not any(p["kind"] == "sum" for p in chain):
+            raise ArgumentError("conv2d: sum= was given but post_ops has no 'sum' entry, so the "
+                                "tensor would not be added; put 'sum' in post_ops where it "
+                                "applies, e.g. post_ops=['sum', 'relu']")
         inputs = [x, weights] + ([bias] if bias is not None else []) + \
             ([sum] if sum is not None else [])
         attrs = {"stride": _pair(stride), "pad": _pair(pad), "dilation": _pair(dilation),
@@ -421,12 +433,17 @@ class Graph:
                  "sum": sum is not None}
         return self.add_op("conv2d", inputs, attrs, name, _outs(out))
 
-    def custom(self, fn, inputs, outputs, name=None, output_names=None):
+    def custom(self, fn, inputs, outputs, name=None, output_names=None, out=None):
         """An op blockpad has no kernel for: ``fn(*arrays)`` on plain numpy arrays returns one
-        array per ``outputs`` entry (``(shape, dtype)``)."""
+        array per ``outputs`` entry (``(shape, dtype)``). ``out`` (or ``output_names``): the
+        variables it writes, one per output."""
+        if out is not None and output_names is not None:
+            raise ArgumentError("custom: give out= or output_names=, not both")
         outs = [(tuple(s), dtype_name(d)) for s, d in outputs]
-        return self.add_op("custom", inputs, {"fn": fn, "outputs": outs}, name,
-                           outputs=output_names)
+        names = output_names if out is None else \
+            [o if isinstance(o, str) else o.name for o in (out if isinstance(out, (list, tuple))
+                                                           else [out])]
+        return self.add_op("custom", inputs, {"fn": fn, "outputs": outs}, name, outputs=names)
 
     def output(self, *tensors) -> None:
         """Results the caller reads (by variable name)."""
@@ -524,8 +541,9 @@ class Graph:
         each held in its producer's layout until read."""
         given = dict(inputs or {}, **kw)
         before_cache = self.cache.stats()
+        start = time.perf_counter()
         plan = self._plan_for(self._input_layouts(given))
-        return plan.run(given, before_cache)
+        return plan.run(given, before_cache, time.perf_counter() - start)
 
     def __call__(self, inputs=None, **kw):
         """Run and return the results as numpy arrays (one array for one output)."""
@@ -549,13 +567,12 @@ class Graph:
 
     def _reorder_weight(self, cname, mem, report):
         src = self.constants[cname]
-        lay = mem.layout   # the same bytes seen with the plain tag of its letters: oihw, goihw
-        src_mem = Memory(Layout(lay.dims, lay.shape, lay.dtype),
-                         np.ascontiguousarray(src).reshape(-1))
+        src_mem = Memory(_weight_source(mem.layout), np.ascontiguousarray(src).reshape(-1))
         _reorder(self.cache, src_mem, mem)
         if report is not None:
             report.weight_reorders += 1
-        self._weight_sums[cname] = _checksum(src)
+        if self.weights == "check":
+            self._weight_bytes[cname] = _raw(src).copy()
 
     def _refresh_weights(self, report) -> None:
         """Re-reorder prepared weights whose constant changed (checked, or set_constant)."""
@@ -563,7 +580,8 @@ class Graph:
             stale = set(self._stale)
             if self.weights == "check":
                 for cname, src in self.constants.items():
-                    if cname in self._weight_sums and _checksum(src) != self._weight_sums[cname]:
+                    kept = self._weight_bytes.get(cname)
+                    if kept is not None and not np.array_equal(_raw(src), kept):
                         stale.add(cname)
             for (cname, _lay), mem in self._weights.items():
                 if cname in stale:
@@ -581,9 +599,17 @@ def _unpacked(cname, layout, weights) -> str:
             f"{', '.join(have) or 'nothing'} (rebuild the model, or set_constant a plain array)")
 
 
-def _checksum(array) -> int:
-    a = np.ascontiguousarray(array)
-    return zlib.adler32(a.view(np.uint8).reshape(-1)) if a.size else 0
+def _weight_source(layout: Layout) -> Layout:
+    """The caller's weight array as a layout: ``layout``'s letters in plain order (oihw,
+    goihw), the same bytes."""
+    return Layout(layout.dims, layout.shape, layout.dtype)
+
+
+def _raw(array) -> np.ndarray:
+    """The bytes of ``array`` as unsigned integers of its item size: compared exactly (a float
+    compare would call NaN changed and -0.0 unchanged)."""
+    a = np.ascontiguousarray(array).reshape(-1)
+    return a.view(f"u{a.itemsize}") if a.itemsize in (1, 2, 4, 8) else a.view(np.uint8)
 
 
 def _outs(out):
@@ -845,6 +871,10 @@ class Plan:
             s.value = v.name
             buf = v.versions[layout] = self._buf(s, layout)
             self.weight_bufs.append((v.name, buf))
+            # its reorder kernel, compiled now: planning time, not the first run's
+            if v.name not in self.graph._prepacked:
+                self.graph.cache.find(Request.make(
+                    "reorder", [("src", _weight_source(layout)), ("dst", layout)]))
             return buf
         src = next((b for lay, b in v.versions.items() if lay == home.layout), home)
         buf = v.versions[layout] = self._buf(self._storage("arena"), layout)
@@ -910,9 +940,9 @@ class Plan:
         with self._pool_lock:
             self._pool.append(exe)
 
-    def run(self, given, before_cache) -> Results:
+    def run(self, given, before_cache, plan_seconds=0.0) -> Results:
         g = self.graph
-        report = Report(self.policy)
+        report = Report(self.policy, plan_seconds=plan_seconds)
         start = time.perf_counter()
         with counters.scope() as zp:
             g._refresh_weights(report)
@@ -927,7 +957,8 @@ class Plan:
         report.zero_pad_calls = zp.calls
         report.zero_pad_bytes = zp.bytes
         report.zero_pad_blocking = zp.blocking_calls
-        report.seconds = time.perf_counter() - start
+        report.run_seconds = time.perf_counter() - start
+        report.seconds = plan_seconds + report.run_seconds
         report.ops = len(g.nodes)
         report.inplace = [s.label for s in self.steps if s.inplace]
         report.fused = [f"{a} + {b}" for a, b in self.fused]
@@ -1089,8 +1120,13 @@ class _Execution:
         outs = {}
         for name, b in plan.outputs.items():
             mem = self.mems[b.id]
-            # the caller gets its own Memory: the arena's is rebound to a fresh buffer next run
-            outs[name] = Memory(mem.layout, mem.buffer, mem.state, library=plan.runtime)
+            # the caller gets its own Memory: the arena's is rebound to a fresh buffer next run;
+            # a result that is a graph input or constant is a copy, never the caller's array
+            buf = mem.buffer
+            if b.storage.kind in ("input", "constant", "weight"):
+                buf = aligned_empty(buf.size, buf.dtype)
+                buf[...] = mem.buffer
+            outs[name] = Memory(mem.layout, buf, mem.state, library=plan.runtime)
         return outs
 
 

@@ -196,6 +196,14 @@ def _rename(nodes, i, old: str, new: str) -> None:
             return
 
 
+def _touches(nodes, lo: int, hi: int, names, writes_only=False) -> bool:
+    """Whether an op strictly between ``lo`` and ``hi`` writes (or, unless ``writes_only``,
+    reads) one of ``names``."""
+    names = set(names)
+    return any(names & set(nodes[k].outputs) or (not writes_only and names & set(nodes[k].inputs))
+               for k in range(lo + 1, hi))
+
+
 def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
                   kinds=("eltwise", "sum")):
     """oneDNN's post-ops, found in the graph: a convolution whose result has exactly one
@@ -204,6 +212,10 @@ def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
     most one). Repeated, so conv -> add -> relu becomes one kernel. The result must not be one
     the caller reads. ``same_shape(node)``: whether a binary node's operands have one shape.
     ``kinds``: the post-ops to fuse (``eltwise``, ``sum``).
+
+    The fused op runs where the convolution was when no op in between reads or writes the
+    names the absorbed op writes (a name may be written again: memory reuse), else where the
+    absorbed op was when no op in between writes the convolution's inputs, else not at all.
     Returns the rewritten ops and the fusions made ((conv, absorbed op) pairs)."""
     nodes = copy.deepcopy(list(nodes))
     protected = set(protected)
@@ -236,11 +248,18 @@ def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
                 inputs = list(n.inputs) + [other]
             else:
                 continue
+            if not _touches(nodes, i, j, r.outputs):
+                at = i                      # the fused op runs in the convolution's place
+            elif not _touches(nodes, i, j, n.inputs, writes_only=True):
+                at = j                      # ... or in the absorbed op's
+            else:
+                continue
             n.attrs = {**n.attrs, "post_ops": chain, "sum": n.attrs["sum"] or r.op == "binary"}
             n.inputs = inputs
             n.outputs, n.orig_outputs = list(r.outputs), list(r.orig_outputs)
             fused.append((n.name, r.name))
-            del nodes[j]
+            nodes[at] = n
+            del nodes[j if at == i else i]
             changed = True
             break
     return nodes, fused

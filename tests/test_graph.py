@@ -1,6 +1,7 @@
 """Graphs (issue 6): layout propagation, the in-place pass (seed 003), fallback, the padding
 policy across a graph, the run report, weights, sub-memories and threads. Every graph is
-compared with numpy.
+compared with numpy references that do not come from runtime/graph_ops.py (tests/reference.py,
+or written here).
 
 Kernels come from one JIT cache directory shared by the test modules of a session (first use
 compiles, later ones load)."""
@@ -15,11 +16,18 @@ import pytest
 import blockpad as bp
 from blockpad.runtime import counters
 from blockpad.runtime.cache import KernelCache
-from blockpad.runtime.graph_ops import conv_ref, softmax_ref
 from blockpad.runtime.memory import SubMemoryError
 from blockpad.runtime.passes import Node, inplace_pass
 
 from .conftest import run_in_threads
+from .reference import conv_reference, softmax
+
+
+def ref_conv(x, w, bias=None, pad=0):
+    """The convolution from tests/reference.py (independent of runtime/graph_ops.py)."""
+    out = conv_reference(x.astype(np.float64), w.astype(np.float64),
+                         {"stride": (1, 1), "pad": (pad, pad), "dilation": (1, 1), "groups": 1})
+    return out if bias is None else out + bias.reshape(1, -1, 1, 1)
 
 POLICIES = ("on_handle", "dst_fused", "dst_stage", "src", "tracked", "user")
 S = (2, 30, 5, 7)          # channels pad to 32 in nChw16c
@@ -198,7 +206,7 @@ def test_softmax_graph_from_seed_runs(cache, rng):
     g.output(g.softmax(g.relu(x), axis=1))
     xv = arr(rng, S)
     res = g.run(x=bp.Memory.from_numpy(xv, BLK))
-    assert np.allclose(res["softmax_0"].numpy(), softmax_ref(np.maximum(xv, 0), 1), atol=1e-6)
+    assert np.allclose(res["softmax_0"].numpy(), softmax({"axis": 1}, np.maximum(xv, 0)), atol=1e-6)
 
 
 # ---- convolution blocks: layout propagation, weights, policies ---------------------------------
@@ -218,9 +226,8 @@ def _conv_block(cache, policy="dst_fused", weights=None, bias=True, **kw):
     g.output(y)
 
     def ref(xv, w1=w1, w2=w2):
-        post = [{"kind": "bias"}] if bias else []
-        h = np.maximum(conv_ref(xv, w1, b1 if bias else None, pad=(1, 1), post_ops=post), 0)
-        return sigmoid(conv_ref(h, w2, pad=(1, 1)) + xv)
+        h = np.maximum(ref_conv(xv, w1, b1 if bias else None, pad=1), 0)
+        return sigmoid(ref_conv(h, w2, pad=1) + xv)
     return g, ref
 
 
@@ -277,7 +284,7 @@ def test_weights_reordered_once_and_changes_are_not_served_stale(cache, rng):
     assert g.run(x=xv).report.weight_reorders == 0
     w1 *= -1.0                                              # the caller changes a weight in place
     res = g.run(x=xv)
-    assert res.report.weight_reorders == 1                  # detected (adler32 per run)
+    assert res.report.weight_reorders == 1                  # detected (a byte compare per run)
     assert np.allclose(res["eltwise_1"].numpy(), ref(xv, w1, w2), atol=1e-5)
 
 
@@ -305,8 +312,8 @@ def _frozen_block(cache, w1, w2):
     g.output(g.sigmoid(g.add(g.conv2d(h, g.constant("w2", w2), pad=1), x)))
 
     def ref(xv, w1, w2):
-        h = np.maximum(conv_ref(xv, w1, b1, pad=(1, 1), post_ops=[{"kind": "bias"}]), 0)
-        return sigmoid(conv_ref(h, w2, pad=(1, 1)) + xv)
+        h = np.maximum(ref_conv(xv, w1, b1, pad=1), 0)
+        return sigmoid(ref_conv(h, w2, pad=1) + xv)
     return g, ref
 
 
@@ -333,7 +340,7 @@ def test_read_only_inputs_and_weights_are_never_written(cache, policy, rng):
     out = g2.run(x=xm)
     assert np.array_equal(xm.buffer, before, equal_nan=True)
     w = g2.constants["w"]
-    assert np.allclose(out["conv2d_0"].numpy(), conv_ref(xm.to_numpy(), w), atol=1e-4)
+    assert np.allclose(out["conv2d_0"].numpy(), ref_conv(xm.to_numpy(), w), atol=1e-4)
 
 
 def test_post_op_fusion_changes_nothing_but_the_kernel_count(cache, rng):
@@ -394,7 +401,7 @@ def test_fallback_to_numpy_without_any_kernel(tmp_path, rng):
     xv, yv = arr(rng, S), arr(rng, S)
     res = g.run(x=xv, y=yv)
     assert set(res.report.fallbacks.values()) == {"numpy"}
-    assert np.allclose(res["softmax_0"].numpy(), softmax_ref(np.maximum(xv, 0) + yv), atol=1e-6)
+    assert np.allclose(res["softmax_0"].numpy(), softmax({"axis": 1}, np.maximum(xv, 0) + yv), atol=1e-6)
 
 
 def test_fallback_uses_a_prebuilt_plain_library(tmp_path, rng):
@@ -511,3 +518,140 @@ def test_counter_scopes_see_their_own_thread_and_its_streams(rng):
         other.join()                                 # another thread: in neither scope
     assert (outer.calls, inner.calls) == (2, 1)
     assert inner.bytes == 2 * 2 * 2 * 4 and outer.bytes == 2 * inner.bytes
+
+
+# ---- post-op fusion keeps the program's order (a name may be written again) ------------------
+
+def _reused_name_graph(cache, fuse, sum_post_op):
+    """y = relu(x); c = conv(x); z = y + x (reads the first y); y = relu(c) or c + t (writes y
+    again): fusing the second write into the convolution must not move it above z."""
+    w = arr(np.random.default_rng(3), (8, 8, 1, 1))
+    g = bp.Graph(policy="tracked", cache=cache, fuse=fuse)
+    x, t = g.input("x", (1, 8, 4, 4)), g.input("t", (1, 8, 4, 4))
+    g.relu(x, name="y")
+    c = g.conv2d(x, g.constant("w", w), name="c")
+    g.add("y", x, name="z")
+    if sum_post_op:
+        g.add(c, t, out="y")
+    else:
+        g.eltwise(c, "relu", out="y")
+    g.output("z", "y")
+
+    def ref(xv, tv):
+        cv = ref_conv(xv, w)
+        return xv + np.maximum(xv, 0), cv + tv if sum_post_op else np.maximum(cv, 0)
+    return g, ref
+
+
+@pytest.mark.parametrize("sum_post_op", [False, True])
+def test_fusion_never_moves_a_write_above_a_reader_of_the_name(cache, rng, sum_post_op):
+    fuse = ("eltwise", "sum")
+    xv, tv = arr(rng, (1, 8, 4, 4)), arr(rng, (1, 8, 4, 4))
+    g, ref = _reused_name_graph(cache, fuse, sum_post_op)
+    res = g.run(x=xv, t=tv)
+    assert res.report.fused == ["c + " + ("binary_0" if sum_post_op else "eltwise_0")]
+    z, y = ref(xv, tv)
+    assert np.allclose(res["z"].numpy(), z, atol=1e-5)
+    assert np.allclose(res["y"].numpy(), y, atol=1e-5)
+
+
+def test_fusion_order_in_a_framework_program_with_reused_names(cache, rng):
+    """from_ops: ``a`` is written twice, with different shapes (8 channels, then 4)."""
+    w = arr(np.random.default_rng(4), (4, 8, 1, 1))
+    ops = [{"op": "eltwise", "inputs": ["x"], "outputs": ["a"], "algorithm": "relu"},
+           {"op": "conv2d", "inputs": ["x", "w"], "outputs": ["c"]},
+           {"op": "binary", "inputs": ["a", "x"], "outputs": ["b"], "algorithm": "add"},
+           {"op": "eltwise", "inputs": ["c"], "outputs": ["a"], "algorithm": "sigmoid"}]
+    g = bp.Graph.from_ops(ops, inputs={"x": (1, 8, 4, 4)}, constants={"w": w},
+                          outputs=["b", "a"], cache=cache, policy="dst_fused")
+    xv = arr(rng, (1, 8, 4, 4))
+    res = g.run(x=xv)
+    assert res.report.fused == ["conv2d_1 + eltwise_3"]
+    assert res["a"].shape == (1, 4, 4, 4)
+    assert np.allclose(res["b"].numpy(), np.maximum(xv, 0) + xv, atol=1e-5)
+    assert np.allclose(res["a"].numpy(), sigmoid(ref_conv(xv, w)), atol=1e-5)
+
+
+# ---- weights="check" cannot be fooled; the API says what it does -----------------------------
+
+def test_weight_edits_that_keep_adler32_are_still_detected(cache, rng):
+    """Negating four consecutive float32 weights signed +, -, -, + moves the sign bytes by
+    +128, -128, -128, +128 at offsets 3, 7, 11, 15: adler32 does not change, the bytes do."""
+    import zlib
+
+    w = np.abs(arr(np.random.default_rng(7), (8, 8, 2, 2))) + 0.1
+    w[0, 0] *= np.array([[1, -1], [-1, 1]], "float32")       # the first 2x2 filter: + - - +
+    g = bp.Graph(policy="dst_fused", cache=cache)
+    g.output(g.conv2d(g.input("x", (1, 8, 5, 5)), g.constant("w", w)))
+    xv = arr(rng, (1, 8, 5, 5))
+    g.run(x=xv)
+    before = zlib.adler32(w.tobytes())
+    w[0, 0] *= -1.0
+    assert zlib.adler32(w.tobytes()) == before              # the edit adler32 cannot see
+    res = g.run(x=xv)
+    assert res.report.weight_reorders == 1
+    assert np.allclose(res["conv2d_0"].numpy(), ref_conv(xv, w), atol=1e-4)
+
+
+def test_sum_tensor_without_a_sum_post_op_is_an_error(cache):
+    g = bp.Graph(cache=cache)
+    x, t = g.input("x", (1, 8, 4, 4)), g.input("t", (1, 8, 4, 4))
+    w = g.constant("w", np.ones((8, 8, 1, 1), "float32"))
+    with pytest.raises(bp.ArgumentError, match="post_ops has no 'sum' entry"):
+        g.conv2d(x, w, sum=t)
+    with pytest.raises(bp.ArgumentError, match="needs the tensor to add"):
+        g.conv2d(x, w, post_ops=["sum"])
+
+
+def test_an_input_returned_as_a_result_is_a_copy(cache, rng):
+    g = bp.Graph(cache=cache)
+    x = g.input("x", S)
+    g.output(x, g.relu(x))
+    xv = arr(rng, S)
+    keep = xv.copy()
+    res = g.run(x=xv)
+    out = res["x"].numpy()
+    assert np.array_equal(out, keep)
+    out[...] = 5.0                                  # writing the result leaves the input alone
+    assert np.array_equal(xv, keep)
+    assert np.allclose(res["eltwise_0"].numpy(), np.maximum(keep, 0))
+
+
+def test_every_op_method_takes_out(cache, rng):
+    g = bp.Graph(cache=cache, inplace=False)
+    x = g.input("x", (1, 8, 4, 4))
+    w = g.constant("w", arr(np.random.default_rng(8), (8, 8, 1, 1)))
+    steps = [lambda: g.relu(x, out="v"), lambda: g.gelu("v", out="v"),
+             lambda: g.sigmoid("v", out="v"), lambda: g.tanh("v", out="v"),
+             lambda: g.exp("v", out="v"), lambda: g.linear("v", 0.5, 1.0, out="v"),
+             lambda: g.add("v", x, out="v"), lambda: g.mul("v", x, out="v"),
+             lambda: g.eltwise("v", "clip", -1.0, 1.0, out="v"),
+             lambda: g.binary("v", x, "add", out="v"), lambda: g.softmax("v", out="v"),
+             lambda: g.log_softmax("v", out="v"), lambda: g.conv2d("v", w, out="v"),
+             lambda: g.custom(lambda a: a * 2, ["v"], [((1, 8, 4, 4), "float32")], out="v")]
+    for step in steps:
+        assert step().name == "v"
+    g.output("v")
+    xv = arr(rng, (1, 8, 4, 4))
+    from scipy.special import erf
+    v = np.maximum(xv, 0).astype(np.float64)
+    v = 0.5 * v * (1 + erf(v / np.sqrt(2)))
+    v = np.exp(np.tanh(1 / (1 + np.exp(-v))))
+    v = (0.5 * v + 1.0 + xv) * xv
+    v = np.clip(v, -1.0, 1.0) + xv
+    v = softmax({"axis": 1}, v)
+    v = softmax({"axis": 1, "log": True}, v)
+    v = ref_conv(v, g.constants["w"]) * 2
+    assert np.allclose(g(x=xv), v, atol=1e-4)
+
+
+def test_report_separates_planning_and_compiling_from_running(cache, rng):
+    g = bp.Graph(cache=cache)
+    g.output(g.relu(g.input("x", S), name="r"))
+    first = g.run(x=arr(rng, S)).report
+    again = g.run(x=arr(rng, S)).report
+    for r in (first, again):
+        assert r.seconds == pytest.approx(r.plan_seconds + r.run_seconds)
+        assert r.run_seconds > 0
+        assert "planning and compiling" in str(r)
+    assert again.plan_seconds < first.plan_seconds      # the plan was made once
