@@ -54,7 +54,15 @@ def graph_doc(g: Graph) -> dict:
                "block": g.block, "fuse": sorted(g.fuse), "name": g.name}
     doc = {"options": options, "inputs": {k: [list(s), d] for k, (s, d) in g.inputs.items()},
            "outputs": list(g.outputs), "nodes": nodes}
-    return json.loads(json.dumps(doc))
+    # numpy scalars (an importer's attribute values) as the Python numbers they hold
+    return json.loads(json.dumps(doc, default=_scalar))
+
+
+def _scalar(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    raise ArgumentError(f"graph attribute {value!r} ({type(value).__name__}) cannot be written "
+                        f"as JSON")
 
 
 def _tuples(value):
