@@ -200,7 +200,11 @@ def _store_padding_back(func):
     old value)``: the padding gets its own bits back, untouched as the plan promises. No loop
     transformation accepts the predicated block (its binding is not affine), and a vector loop
     whose lanes disagree on it is not vectorised; the Select is a blend, and its load hits the
-    cache line the store fetches anyway."""
+    cache line the store fetches anyway. A value with a guarded read (``if_then_else``: a
+    destination padded further than what it reads, e.g. a halo on an outer dim) takes an
+    ``if_then_else`` instead: TVM simplifies a Select's branch under its condition, which drops
+    the guard, and a blend evaluates the branch in the padding lanes too, loading past a stage's
+    allocation (undefined behaviour LLVM exploits: it wrote the padding)."""
     def rewrite(realize):
         block, pred = realize.block, realize.predicate
         if block.name_hint != "dst" or isinstance(pred, tirx.IntImm):
@@ -210,8 +214,11 @@ def _store_padding_back(func):
         cond = _substitute(pred, {v: iv.var for v, iv in zip(realize.iter_values,
                                                               block.iter_vars)})
         old = tirx.BufferLoad(store.buffer, list(store.indices))
-        body = tirx.BufferStore(store.buffer, tirx.Select(cond, store.value, old),
-                                list(store.indices))
+        guards = []
+        tvm_ffi.structural_walk(store.value, (tvm.ir.expr.Call, lambda c: guards.append(c)
+                                              if c.op.name == "prim.if_then_else" else None))
+        blend = tirx.if_then_else if guards else tirx.Select
+        body = tirx.BufferStore(store.buffer, blend(cond, store.value, old), list(store.indices))
         # the block still declares no read of dst: each element reads back only the element it
         # writes, and a declared read would make the block neither complete nor parallel
         block = s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body,

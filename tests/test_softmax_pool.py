@@ -29,6 +29,16 @@ SOFTMAX = {
     "log_softmax_tracked": {"src": "nChw8c", "dst": "nChw8c", "log": True, "policy": "tracked"},
     "softmax_inplace_stage": {"src": "nChw16c", "dst": "nChw16c", "inplace": True,
                               "policy": "dst_stage"},
+    # unusual but valid layouts (issue 16): an axis of one element blocked by 4, into a dim
+    # blocked twice (was NaN: the padding lanes' loads past the statistics' allocation)
+    "log_softmax_axis_of_one": {"shape": [2, 4, 1], "axis": -1, "log": True, "src": "abC4c",
+                                "dst": "aBc16b8b"},
+    # padding preserved with a halo on an outer dim / a dim blocked twice (was written)
+    **{f"softmax_outer_halo_{policy}": {
+        "shape": [6, 2, 1, 3, 5], "axis": 3, "src": "abcde", "policy": policy,
+        "dst": {"tag": "bcdAe3a", "paddings": {"a": [6, 6]}}} for policy in ("on_handle", "user")},
+    "softmax_twice_blocked_user": {"shape": [2, 20, 3], "axis": 2, "src": "abc",
+                                   "dst": "aBc16b8b", "policy": "user", "log": True},
 }
 WINDOW = {"kernel": [3, 3], "stride": [2, 2], "pad": [1, 1]}
 POOL = {

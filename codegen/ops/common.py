@@ -43,7 +43,8 @@ class Source:
       padding may hold garbage).
 
     ``trusts_padding`` records that a read was left unguarded on padding or halo, so that
-    ``reads_padding`` can derive which kernels need their sources clean.
+    ``reads_padding`` can derive which kernels need their sources clean; ``leaves_buffer``
+    that a guarded read may fall outside the buffer (see ``materialize``).
     """
 
     def __init__(self, name: str, layout: Layout, mode: str = "trusted", storage: str | None = None):
@@ -51,7 +52,7 @@ class Source:
         self.storage = storage or layout.dtype
         self.tensor = te.placeholder(layout.physical_shape, self.storage, name)
         self.bounds: dict = {}   # var -> (min, max), filled by materialize for range analysis
-        self.trusts_padding = False
+        self.trusts_padding = self.leaves_buffer = False
 
     @property
     def dtype(self):
@@ -74,6 +75,7 @@ class Source:
                 guards.append(x >= 0)
             if hi >= lay.shape[d]:
                 guards.append(x < lay.shape[d])
+            self.leaves_buffer |= not in_buffer
         load = self.tensor(*lay.to_physical(idx))
         if not guards:
             return load
@@ -178,12 +180,20 @@ def materialize(opdef: OpDef, dst: Layout, plan: Plan, name: str,
             return opdef.value(*logical(p))
 
     def finished(p):
+        for s in opdef.sources:
+            s.leaves_buffer = False
         v = value(p)
         if opdef.epilogue is not None:
             v = opdef.epilogue(v, logical(p))
         v = _cast(v, out_storage)
         if plan.dst_writes == "select" and dst.has_padding:
-            v = tirx.Select(dst.is_padding(p), tirx.const(0, out_storage), v)
+            # TVM simplifies a Select's branches under its condition, which drops the guards of
+            # reads that would leave their buffer at padding elements, and a Select evaluates
+            # both branches: a vector load past a buffer (undefined behaviour LLVM exploits on
+            # a stage's allocation). if_then_else evaluates only the branch taken.
+            select = tirx.if_then_else if any(s.leaves_buffer for s in opdef.sources) \
+                else tirx.Select
+            v = select(dst.is_padding(p), tirx.const(0, out_storage), v)
         return v
 
     out = te.compute(dst.physical_shape, lambda *p: finished(p), name="dst")

@@ -119,7 +119,10 @@ class Stage(Source):
         self.bounds = self.x.bounds   # the ranges of whichever stage is reading
         if self.row_axis is not None:
             idx = [0 if d == self.row_axis else i for d, i in enumerate(idx)]
-        return super().__call__(*idx, pad=pad)
+        self.leaves_buffer = False
+        v = super().__call__(*idx, pad=pad)
+        self.x.leaves_buffer |= self.leaves_buffer   # counts as a read of the kernel's source
+        return v
 
 
 def exp(value):
