@@ -29,6 +29,11 @@ class Signature:
         self.padding = entry.get("padding")   # the padding contract; None for data movement
         self.args = [(a["name"], a["role"], Layout.from_dict(a["layout"]), a["storage"])
                      for a in entry["args"]]
+        self.requires_clean = bool(self.padding and self.padding["requires"] == "clean")
+        # argument index pairs at least one of which the kernel writes: they must not overlap
+        self.written_pairs = [(i, j) for i in range(len(self.args))
+                              for j in range(i + 1, len(self.args))
+                              if (self.args[i][1], self.args[j][1]) != ("in", "in")]
 
     def __repr__(self):
         args = ", ".join(f"{role} {name}: {lay}" for name, role, lay, _ in self.args)
@@ -56,8 +61,11 @@ class Kernel:
                                 f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
         if self._library.device == "cuda":
             return self._run_on_gpu(args, stream)
-        mems = [_as_memory(value, sig.name, *spec) for value, spec in zip(args, sig.args)]
-        _check_no_alias(sig, _views_overlap([m.physical_view() for m in mems]))
+        mems = [_as_memory(value, sig.name, *spec, sig.requires_clean)
+                for value, spec in zip(args, sig.args)]
+        inplace = self._inplace_form(mems)
+        if inplace is not None:
+            return inplace(*args[:-1], stream=stream)
         if stream is not None:
             return stream.submit(self._run, mems)
         self._run(mems)
@@ -118,9 +126,39 @@ class Kernel:
         if self._library.device == "cuda":
             raise ArgumentError(f"{sig.name}: bind() holds host memories; call a GPU kernel "
                                 f"directly with GPU tensors")
-        mems = [_as_memory(value, sig.name, *spec) for value, spec in zip(args, sig.args)]
-        _check_no_alias(sig, _views_overlap([m.physical_view() for m in mems]))
+        mems = [_as_memory(value, sig.name, *spec, sig.requires_clean)
+                for value, spec in zip(args, sig.args)]
+        inplace = self._inplace_form(mems)
+        if inplace is not None:
+            return inplace.bind(*args[:-1])
         return BoundCall(self, mems)
+
+    def _inplace_form(self, mems):
+        """Refuse overlapping arguments (kernels are compiled assuming none), except one case:
+        a source passed again as the destination of an op the library also has built with
+        ``inplace = true``, whose in-place kernel is returned to run instead. Otherwise the
+        error says how to get one."""
+        sig = self.signature
+        views = [m.physical_view() for m in mems]
+        overlap = _views_overlap(views)
+        for i, j in sig.written_pairs:
+            if not overlap(i, j):
+                continue
+            same = sig.args[i][2] == sig.args[j][2] and \
+                views[i].ctypes.data == views[j].ctypes.data
+            if same and sig.args[j][1] == "out" and j == len(sig.args) - 1:
+                twin = self._library.inplace_form(sig, i)
+                if twin is not None:
+                    return twin
+                if sig.op in _INPLACE_OPS:
+                    raise ArgumentError(
+                        f"{sig.name}: {sig.args[i][0]!r} is also passed as {sig.args[j][0]!r}; "
+                        f"this kernel needs separate buffers. To compute in place, build the "
+                        f"kernel with `inplace = true` in its spec entry ({sig.args[i][0]} "
+                        f"becomes an inout argument, passed once) and load that library: "
+                        f"calls like this one then run it")
+            _check_no_alias(sig, overlap)
+        return None
 
     def run_raw(self, views):
         """Call the compiled function on prepared views: no checks, no padding work."""
@@ -179,6 +217,18 @@ class Library:
             self._cache[name] = Kernel(self.kernels[name], self._module[name], self)
         return self._cache[name]
 
+    def inplace_form(self, sig: Signature, source: int):
+        """The kernel computing ``sig`` in place over its argument ``source`` (built with
+        ``inplace = true``: same op, parameters, layouts and policy), or None."""
+        want = {**sig.params, "inplace": True}
+        args = [(n, "inout" if k == source else r, lay) for k, (n, r, lay, _) in
+                enumerate(sig.args[:-1])]
+        for name, s in self.kernels.items():
+            if s.op == sig.op and s.params == want and s.padding == sig.padding and \
+                    [a[:3] for a in s.args] == args:
+                return self[name]
+        return None
+
     def zero_pad_kernel(self, layout: Layout):
         """The generated zero-pad kernel for ``layout``, or None if the library has none."""
         name = self._zero_pads.get(layout)
@@ -219,8 +269,11 @@ def load(path) -> Library:
     return Library(path, manifest, module)
 
 
-def _as_memory(value, kernel, name, role, layout: Layout, storage) -> Memory:
-    """Turn one argument into a Memory of the kernel's layout (zero-copy for arrays that fit)."""
+def _as_memory(value, kernel, name, role, layout: Layout, storage,
+               requires_clean=False) -> Memory:
+    """Turn one argument into a Memory of the kernel's layout (zero-copy for arrays that fit).
+    An array carries no padding state: where the kernel requires clean sources its padding is
+    zeroed before the call (padding.before_call), which a read-only array cannot have."""
     where = f"{kernel}: argument {name!r}"
     if isinstance(value, Memory):
         if value.layout != layout:
@@ -234,6 +287,13 @@ def _as_memory(value, kernel, name, role, layout: Layout, storage) -> Memory:
         raise ArgumentError(f"{where}: expected dtype {layout.dtype}; got {array.dtype}")
     if role != "in" and not array.flags.writeable:
         raise ArgumentError(f"{where}: the kernel writes it, but the array is read-only")
+    if requires_clean and role != "out" and layout.has_padding and not array.flags.writeable:
+        raise ArgumentError(
+            f"{where}: layout {layout} has padding, whose content an array does not say, and "
+            f"this kernel requires it zero; blockpad zeroes it before the call, but this array "
+            f"is read-only. Pass a writeable array, or a Memory: bp.Memory(layout, buf, "
+            f"state='clean') if its padding is zero, else mem.cleanup() zeroes it (copying a "
+            f"read-only buffer)")
     if not array.flags.c_contiguous:
         raise ArgumentError(f"{where}: expected a C-contiguous array; got strides "
                             f"{array.strides} for shape {array.shape} (np.ascontiguousarray "
@@ -331,15 +391,17 @@ def _itemsize(dtype: str) -> int:
     return numpy_dtype(dtype).itemsize
 
 
+_INPLACE_OPS = ("eltwise", "binary", "softmax")   # ops a spec may build with inplace = true
+
+
 def _check_no_alias(sig: Signature, overlap):
     """Kernels are compiled assuming their buffers do not overlap; refuse aliasing outright.
     ``overlap(i, j)``: whether arguments ``i`` and ``j`` share memory."""
-    for i, (name_i, role_i, *_) in enumerate(sig.args):
-        for j in range(i + 1, len(sig.args)):
-            name_j, role_j = sig.args[j][:2]
-            if (role_i, role_j) != ("in", "in") and overlap(i, j):
-                raise ArgumentError(f"{sig.name}: arguments {name_i!r} and {name_j!r} overlap in "
-                                    f"memory; this kernel needs separate buffers")
+    for i, j in sig.written_pairs:
+        if overlap(i, j):
+            raise ArgumentError(f"{sig.name}: arguments {sig.args[i][0]!r} and "
+                                f"{sig.args[j][0]!r} overlap in memory; this kernel needs "
+                                f"separate buffers")
 
 
 def _views_overlap(views):

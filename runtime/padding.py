@@ -35,17 +35,20 @@ def zero_pad(mem: Memory, blocking: bool = False) -> None:
 
 
 def before_call(contract: dict | None, sources: list) -> None:
-    """Zero-pad the sources the kernel needs clean and may not have clean, per the policy.
+    """Zero-pad the sources the kernel needs clean and may not have clean (seed 001 option C:
+    execution checks each source's state and cleans it).
 
-    ``tracked``: only memories whose state is not already clean; ``src`` with a source stage:
-    every padded source, every call (that policy keeps no state)."""
+    Under every policy a source whose state is ``dirty`` or ``unknown`` is zero-padded in place
+    (a read-only buffer is copied first, never written) when the kernel requires clean
+    sources: the policy decides who normally writes the zeros, but a memory the caller says is
+    not clean is never trusted. ``src`` with a source stage zero-pads every padded source,
+    every call (that policy keeps no state). One state check per source: a clean memory costs
+    nothing more."""
     if not contract or contract["requires"] != "clean":
         return
-    policy = contract["policy"]
+    every_call = contract["src_stage"] and contract["policy"] == "src"
     for mem in sources:
-        if policy == "tracked" and mem.state != CLEAN:
-            zero_pad(mem)
-        elif policy == "src" and contract["src_stage"]:
+        if every_call or mem.state != CLEAN:
             zero_pad(mem)
 
 
