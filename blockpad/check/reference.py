@@ -93,8 +93,9 @@ def softmax(entry, t):
 
 def pool(entry, t):
     x = t["src"].astype(np.float64)
-    (kh, kw), (ph, pw), (dh, dw) = entry["kernel"], entry["pad"], entry["dilation"]
-    sh, sw = entry.get("stride") or entry["kernel"]
+    kernel = entry.get("kernel", [2, 2])     # pool's defaults
+    (kh, kw), (ph, pw) = kernel, entry.get("pad", [0, 0])
+    (dh, dw), (sh, sw) = entry.get("dilation", [1, 1]), entry.get("stride") or kernel
     n, c, h, w = x.shape
     oh, ow = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     want, scale = np.zeros((n, c, oh, ow)), np.zeros((n, c, oh, ow))
@@ -120,7 +121,7 @@ def conv(x, w, entry):
     """Direct convolution of float64 or int64 arrays, oneDNN's definition: stride, symmetric
     pad, dilation (1 = dense), groups with weights ``(G, K/G, C/G, KH, KW)``."""
     (sh, sw), (ph, pw), (dh, dw) = entry["stride"], entry["pad"], entry["dilation"]
-    g = entry.get("groups", 1)
+    g = entry["groups"]
     w = w.reshape(-1, *w.shape[-3:]) if g > 1 else w        # (K, C/G, KH, KW)
     kh, kw = w.shape[2:]
     xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
@@ -146,7 +147,7 @@ def dot(entry, t):
     else:
         acc, absacc = conv(x, w, entry), conv(np.abs(x), np.abs(w), entry)
         # products per output: C/G x KH x KW (weights (K, C, KH, KW) or (G, K/G, C/G, KH, KW))
-        terms = t["weights"][0].size if entry.get("groups", 1) == 1 else t["weights"][0, 0].size
+        terms = t["weights"][0].size if entry["groups"] == 1 else t["weights"][0, 0].size
         channel = (slice(None), None, None)
     u = UNIT["float32"]
     v = acc.astype(np.float64)
