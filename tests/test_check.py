@@ -167,7 +167,8 @@ def test_a_crashing_case_is_pinned_down_and_the_batch_goes_on(tmp_path, monkeypa
 def test_a_failure_writes_a_spec_that_reads_back_and_builds(tmp_path):
     entry = generate.case(5, 3, "host", ("conv2d",))
     path = replay.write_spec(tmp_path, "host", 5, 3, ("conv2d",), entry, ["dst: wrong"])
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     assert "# replay (same data): blockpad check --target host --seed 5 --case 3 --ops conv2d" \
         in text
     doc = tomllib.loads(text)

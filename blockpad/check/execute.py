@@ -282,8 +282,8 @@ def _compare(name, got, want, bound) -> list:
     i = np.unravel_index(int(np.argmax(worst)), worst.shape)
     i = tuple(int(v) for v in i)
     allowed = float(np.broadcast_to(bound, err.shape)[i])
-    return [f"{name}: {int(bad.sum())} of {got.size} elements wrong; worst at {list(i)}: got "
-            f"{g[i]:.7g}, want {want[i]:.7g} (allowed error {allowed:.3g})"]
+    return [(f"{name}: {int(bad.sum())} of {got.size} elements wrong; worst at {list(i)}: got "
+            f"{g[i]:.7g}, want {want[i]:.7g} (allowed error {allowed:.3g})")]
 
 
 # ---- the worker process ------------------------------------------------------------------------
