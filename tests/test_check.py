@@ -183,3 +183,15 @@ def test_bounds_reject_a_wrong_result_and_accept_rounding():
     assert not execute._compare("dst", got, want, bound)
     got[1, 2] += 1e-3
     assert "1 of 28 elements wrong; worst at [1, 2]" in execute._compare("dst", got, want, bound)[0]
+
+
+def test_a_target_this_machine_cannot_run_is_refused_before_building():
+    from blockpad.codegen.targets import get_target
+    from blockpad.runtime import machine
+
+    if not machine.missing_features(get_target("amx").features):
+        pytest.skip("this CPU runs AMX code: nothing to refuse")
+    with pytest.raises(bp.MissingCPUFeatureError, match="target amx: this CPU lacks"):
+        driver.check("amx", cases=1, log=lambda m: None)
+    with pytest.raises(bp.BlockpadError, match="blockpad check runs CPU targets"):
+        driver.check("cuda-sm80", cases=1, log=lambda m: None)

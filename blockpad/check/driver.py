@@ -53,12 +53,7 @@ def check(target: str, cases: int = 100, seed: int = 0, ops=generate.OPS, only=N
           batch: int = 25, out: str = "check-failures", work: str | None = None,
           log=print) -> Summary:
     """Check ``cases`` random cases (or case ``only``) of ``seed`` on ``target``."""
-    from blockpad.codegen.targets import get_target
-
-    get_target(target)                    # an unknown target fails here, with the list
-    if target not in generate.PROFILES:
-        raise _error(f"blockpad check runs CPU targets ({', '.join(generate.PROFILES)}); "
-                     f"got {target!r}")
+    _check_runnable(target)
     ops = tuple(ops)
     ks = [only] if only is not None else list(range(cases))
     summary = Summary(target, seed)
@@ -91,10 +86,31 @@ def check(target: str, cases: int = 100, seed: int = 0, ops=generate.OPS, only=N
     return summary
 
 
-def _error(msg):
-    from blockpad.errors import BlockpadError
+def _check_runnable(target: str) -> None:
+    """Refuse, before building anything, a target whose kernels cannot run here."""
+    from blockpad.codegen.targets import get_target
+    from blockpad.errors import BlockpadError, MissingCPUFeatureError
+    from blockpad.runtime import machine
+    from blockpad.testing import qemu
 
-    return BlockpadError(msg)
+    t = get_target(target)                # an unknown target fails here, with the list
+    if target not in generate.PROFILES:
+        raise BlockpadError(f"blockpad check runs CPU targets ({', '.join(generate.PROFILES)});"
+                            f" got {target!r}")
+    if t.arch == machine.arch():
+        missing = machine.missing_features(t.features)
+        if missing:
+            raise MissingCPUFeatureError(f"target {target}: this CPU lacks {', '.join(missing)};"
+                                         f" check a target it runs (host) or run on a device "
+                                         f"that has them")
+    elif t.arch == "aarch64":
+        missing = qemu.missing_tools()
+        if missing:
+            raise BlockpadError(f"target {target} runs here under qemu-aarch64, but this machine "
+                                f"lacks: {'; '.join(missing)}")
+    else:
+        raise BlockpadError(f"target {target} is for {t.arch}; this machine is "
+                            f"{machine.arch()} and has no emulator for it")
 
 
 def describe(entry: dict) -> str:
