@@ -82,6 +82,10 @@ def main(argv=None) -> int:
                    help="run case K of the seed alone (what a failure's replay line says)")
     p.add_argument("--ops", default=None, help="comma-separated ops to draw from (default: "
                    "all)")
+    p.add_argument("--spec", default=None, help="check the kernels of this TOML spec (one "
+                   "per entry; a failure's spec) instead of random ones")
+    p.add_argument("--shrink", action="store_true", help="simplify each failing case (a "
+                   "build per try) before writing its spec")
     p.add_argument("--batch", type=int, default=25, help="kernels per built library")
     p.add_argument("--out", default="check-failures", help="folder for failing cases' specs")
     p.add_argument("--work", default=None, help="keep the built libraries here (default: a "
@@ -157,7 +161,7 @@ def _check(args):
             raise BlockpadError(f"--ops: expected some of {', '.join(generate.OPS)}; got "
                                 f"{', '.join(unknown)}")
     summary = check(args.target, args.cases, args.seed, ops, args.case, args.batch, args.out,
-                    args.work)
+                    args.work, spec=args.spec, shrink=args.shrink)
     return 1 if summary.failed else 0
 
 

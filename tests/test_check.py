@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import blockpad as bp
-from blockpad.check import driver, execute, generate, replay
+from blockpad.check import driver, execute, generate, replay, shrink
 from blockpad.cli import main
 from blockpad.codegen.spec import parse_spec
 from blockpad.testing import qemu
@@ -164,16 +164,33 @@ def test_a_crashing_case_is_pinned_down_and_the_batch_goes_on(tmp_path, monkeypa
     assert "signal 6" in results[2]["problems"][0]
 
 
-def test_a_failure_writes_a_spec_that_reads_back_and_builds(tmp_path):
+def test_a_failure_writes_a_spec_that_reads_back_and_replays(tmp_path):
     entry = generate.case(5, 3, "host", ("conv2d",))
-    path = replay.write_spec(tmp_path, "host", 5, 3, ("conv2d",), entry, ["dst: wrong"])
+    found = replay.command("host", 5, 3, ("conv2d",))
+    assert found == "blockpad check --target host --seed 5 --case 3 --ops conv2d"
+    path = replay.write_spec(tmp_path, "host", 5, 3, entry, ["dst: wrong"], found)
     with open(path) as f:
         text = f.read()
-    assert "# replay (same data): blockpad check --target host --seed 5 --case 3 --ops conv2d" \
+    assert f"# found by: {found}" in text
+    assert f"# replay this spec: blockpad check --target host --seed 5 --spec {path} --case 3" \
         in text
     doc = tomllib.loads(text)
     assert doc["kernel"] == [entry]
     assert parse_spec(doc).kernels[0].name == "case3"
+    assert driver.spec_cases(path) == {3: entry}      # case 3 again: the same data
+
+
+def test_shrinking_keeps_only_what_the_failure_needs():
+    """A made-up failure (it needs in place and a blocked source): every other feature goes."""
+    entry = generate.case(1, 2, "host", ("eltwise",))
+    entry.update(policy="tracked", dtype="float16", inplace=True, src="aBc8b", dst="aBc8b",
+                 shape=[2, 9, 3])
+
+    def fails(e):
+        return e.get("inplace") and e["src"] == "aBc8b"
+
+    small = shrink.shrink(entry, fails, lambda e: True, log=lambda m: None)
+    assert small == {**entry, "policy": "dst_fused", "dtype": "float32"}
 
 
 def test_bounds_reject_a_wrong_result_and_accept_rounding():

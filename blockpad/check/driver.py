@@ -51,39 +51,130 @@ class Summary:
 
 def check(target: str, cases: int = 100, seed: int = 0, ops=generate.OPS, only=None,
           batch: int = 25, out: str = "check-failures", work: str | None = None,
-          log=print) -> Summary:
-    """Check ``cases`` random cases (or case ``only``) of ``seed`` on ``target``."""
+          log=print, spec: str | None = None, shrink: bool = False) -> Summary:
+    """Check ``cases`` random cases (or case ``only``) of ``seed`` on ``target``; with
+    ``spec``, the kernels of that TOML spec instead (on random data drawn from ``seed``).
+    ``shrink``: simplify each failing case before writing its spec."""
     _check_runnable(target)
     ops = tuple(ops)
-    ks = [only] if only is not None else list(range(cases))
-    summary = Summary(target, seed)
-    scratch = work or tempfile.mkdtemp(prefix="blockpad-check-")
-    log(f"blockpad check: target {target}, seed {seed}, {len(ks)} cases in batches of "
-        f"{batch} (ops: {', '.join(ops)})")
+    if spec is not None:
+        given = spec_cases(spec)
+        ks = [only] if only is not None else list(given)
+        draw, what = given.__getitem__, f"{len(ks)} kernels of {spec}"
+    else:
+        ks = [only] if only is not None else list(range(cases))
+        draw, what = (lambda k: generate.case(seed, k, target, ops)), f"{len(ks)} cases"
+    run = Run(target, seed, ops, spec, out, log,
+              work or tempfile.mkdtemp(prefix="blockpad-check-"))
+    log(f"blockpad check: target {target}, seed {seed}, {what} in batches of {batch}"
+        + ("" if spec else f" (ops: {', '.join(ops)})"))
     batches = [ks[i:i + batch] for i in range(0, len(ks), batch)]
     try:
         for b, chunk in enumerate(batches):
-            entries = {k: generate.case(seed, k, target, ops) for k in chunk}
+            entries = {k: draw(k) for k in chunk}
             t0 = time.perf_counter()
-            libs, results = _build(target, entries, os.path.join(scratch, f"batch{b}"))
+            results = run.cases(entries, f"batch{b}")
             t1 = time.perf_counter()
-            for lib_dir, lib_ks in libs:
-                results += _execute(lib_dir, target, seed, {k: entries[k] for k in lib_ks})
-            t2 = time.perf_counter()
             for r in sorted(results, key=lambda r: r["case"]):
-                _record(summary, r, entries[r["case"]], target, seed, ops, out, log)
+                run.record(r, entries[r["case"]], shrink)
             tally = {}
             for r in results:
                 tally[r["status"]] = tally.get(r["status"], 0) + 1
-            log(f"batch {b + 1}/{len(batches)}: cases {chunk[0]}-{chunk[-1]} built in "
-                f"{t1 - t0:.1f} s, ran in {t2 - t1:.1f} s: "
-                f"{', '.join(f'{n} {s}' for s, n in sorted(tally.items()))} | total "
-                f"{summary.checked}/{len(ks)}, {summary.failed} failed")
+            log(f"batch {b + 1}/{len(batches)}: cases {chunk[0]}-{chunk[-1]} built and run in "
+                f"{t1 - t0:.1f} s: {', '.join(f'{n} {s}' for s, n in sorted(tally.items()))}"
+                f" | total {run.summary.checked}/{len(ks)}, {run.summary.failed} failed")
     finally:
         if work is None:
-            shutil.rmtree(scratch, ignore_errors=True)
-    log(summary.line())
-    return summary
+            shutil.rmtree(run.scratch, ignore_errors=True)
+    log(run.summary.line())
+    return run.summary
+
+
+def spec_cases(path) -> dict:
+    """``{k: entry}`` of a TOML spec's kernels, for ``--spec``: one kernel per entry, named
+    ``case<k>`` (a name ``caseK`` keeps its K, so a spec written for a failure replays on the
+    same data), the library's policy copied into entries that have none."""
+    import re
+    import tomllib
+
+    from blockpad.errors import SpecError
+
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise SpecError(f"{path}: cannot read the spec ({e})") from None
+    policy = doc.get("library", {}).get("policy")
+    out = {}
+    for i, entry in enumerate(doc.get("kernel", [])):
+        if "shapes" in entry or "dtypes" in entry:
+            raise SpecError(f"{path}: kernel #{i + 1}: blockpad check runs one kernel per entry; "
+                            f"give 'shape' and 'dtype', not lists")
+        m = re.fullmatch(r"case(\d+)", str(entry.get("name", "")))
+        k = int(m[1]) if m else i
+        if k in out:
+            raise SpecError(f"{path}: kernel #{i + 1} would be case {k} twice; name it case<K> "
+                            f"with a K of its own")
+        out[k] = {**entry, "name": f"case{k}"}
+        if policy:
+            out[k].setdefault("policy", policy)
+    if not out:
+        raise SpecError(f"{path}: expected one or more [[kernel]] tables; found none")
+    return out
+
+
+class Run:
+    """One ``check`` run: where it builds, what it has found, how it reports."""
+
+    def __init__(self, target, seed, ops, spec, out, log, scratch):
+        self.target, self.seed, self.ops, self.spec = target, seed, ops, spec
+        self.out, self.log, self.scratch = out, log, scratch
+        self.summary = Summary(target, seed)
+        self.builds = 0
+
+    def cases(self, entries: dict, name: str) -> list:
+        """Build ``entries`` (split where the build fails) and run them: a result per case."""
+        libs, results = _build(self.target, entries, os.path.join(self.scratch, name))
+        for lib_dir, lib_ks in libs:
+            results += _execute(lib_dir, self.target, self.seed, {k: entries[k] for k in lib_ks})
+        return results
+
+    def record(self, r, entry, shrink):
+        self.summary.counts[r["status"]] += 1
+        self.summary.guard_bytes += r.get("guard_bytes", 0)
+        if r["status"] == "ok":
+            return
+        k = r["case"]
+        cmd = replay.command(self.target, self.seed, k, self.ops, self.spec)
+        self.log(f"FAIL case {k} [{r['status']}] {describe(entry)}")
+        for p in r["problems"]:
+            self.log("    " + p.strip().replace("\n", "\n    "))
+        self.log(f"    replay: {cmd}")
+        if shrink:
+            entry = self.shrink(k, entry, r["status"])
+        path = replay.write_spec(self.out, self.target, self.seed, k, entry, r["problems"], cmd)
+        self.summary.failures.append((k, r["status"], r["problems"], path))
+        self.log(f"    spec:   {path} (replay it: "
+                 f"{replay.command(self.target, self.seed, k, self.ops, path)})")
+
+    def shrink(self, k, entry, status):
+        from blockpad.codegen.spec import parse_spec
+
+        from .shrink import shrink
+
+        def valid(e):
+            try:
+                parse_spec({"kernel": [e]})
+                return True
+            except Exception:  # noqa: BLE001 - a step the spec refuses is just not taken
+                return False
+
+        def fails(e):
+            self.builds += 1
+            results = self.cases({k: e}, f"shrink{self.builds}")
+            return results[0]["status"] == status
+
+        return shrink(entry, fails, valid, log=self.log)
 
 
 def _check_runnable(target: str) -> None:
@@ -125,21 +216,6 @@ def describe(entry: dict) -> str:
     if entry.get("post_ops"):
         bits.append("post_ops=" + "+".join(p.get("algorithm", p["kind"]) for p in entry["post_ops"]))
     return " ".join(bits)
-
-
-def _record(summary, r, entry, target, seed, ops, out, log):
-    summary.counts[r["status"]] += 1
-    summary.guard_bytes += r.get("guard_bytes", 0)
-    if r["status"] == "ok":
-        return
-    k = r["case"]
-    path = replay.write_spec(out, target, seed, k, ops, entry, r["problems"])
-    summary.failures.append((k, r["status"], r["problems"], path))
-    log(f"FAIL case {k} [{r['status']}] {describe(entry)}")
-    for p in r["problems"]:
-        log("    " + p.strip().replace("\n", "\n    "))
-    log(f"    replay: {replay.command(target, seed, k, ops)}")
-    log(f"    spec:   {path}")
 
 
 # ---- building -----------------------------------------------------------------------------------

@@ -180,6 +180,8 @@ class Arg:
 def run_case(k: int, entry: dict, seed: int, call) -> dict:
     """Build the arguments of case ``k``, call its kernel, judge the result."""
     sig = call.signature(entry["name"])
+    # the entry's parameters, those it leaves out at the defaults the manifest recorded
+    entry = {**sig.params, **entry, "op": sig.op}
     contract = sig.padding
     rng = np.random.default_rng((seed, k, 1))
     args, mems, inputs = [], [], {}

@@ -9,9 +9,13 @@ import os
 from .generate import OPS
 
 
-def command(target: str, seed: int, k: int, ops) -> str:
-    """``blockpad check`` for case ``k`` alone (the same data: it is drawn from seed and case)."""
-    cmd = f"blockpad check --target {target} --seed {seed} --case {k}"
+def command(target: str, seed: int, k: int, ops, spec=None) -> str:
+    """``blockpad check`` for case ``k`` alone (the same data: it is drawn from seed and case),
+    of the generated cases or of ``spec``."""
+    cmd = f"blockpad check --target {target} --seed {seed}"
+    if spec is not None:
+        return f"{cmd} --spec {spec} --case {k}"
+    cmd += f" --case {k}"
     if tuple(ops) != OPS:
         cmd += " --ops " + ",".join(ops)
     return cmd
@@ -38,13 +42,14 @@ def spec_text(entry: dict, header: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_spec(out_dir, target, seed, k, ops, entry, problems) -> str:
+def write_spec(out_dir, target, seed, k, entry, problems, replayed_by) -> str:
     """Write ``<out_dir>/<target>-seed<seed>-case<k>.toml``; return its path."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{target}-seed{seed}-case{k}.toml")
     header = [f"blockpad check: case {k} of seed {seed} failed on target {target}:",
               *(f"  {p.splitlines()[0]}" for p in problems),
-              f"replay (same data): {command(target, seed, k, ops)}",
+              f"found by: {replayed_by}",
+              f"replay this spec: {command(target, seed, k, (), path)}",
               (f"build it alone: blockpad build {os.path.basename(path)} --target {target} "
               f"--out build/case{k}")]
     with open(path, "w") as f:

@@ -1,0 +1,73 @@
+"""Make a failing case smaller: drop what the failure does not need (a post-op, in place, a
+halo, strides, a block, an exotic policy or dtype), one step at a time, keeping each step only
+if the case still fails the same way. Each try builds and runs one kernel, so the number of
+tries is bounded."""
+
+from __future__ import annotations
+
+from blockpad.layout import Layout
+
+TENSORS = ("src", "src0", "src1", "layout", "weights", "dst")
+
+
+def simpler(entry: dict):
+    """Candidate entries, each one step simpler than ``entry``."""
+    for i, p in enumerate(entry.get("post_ops", [])):
+        e = {**entry, "post_ops": [q for j, q in enumerate(entry["post_ops"]) if j != i]}
+        if p["kind"] == "sum":
+            e.pop("sum", None)
+        yield e
+    if entry.get("inplace"):
+        yield {k: v for k, v in entry.items() if k != "inplace"}
+    if entry.get("policy") not in (None, "dst_fused"):
+        yield {**entry, "policy": "dst_fused"}
+    if entry.get("dtype") not in (None, "float32"):
+        yield {**entry, "dtype": "float32"}
+    if entry.get("spatial_pad") == "stage":
+        yield {**entry, "spatial_pad": "fused"}
+    for t in TENSORS:
+        if t not in entry:
+            continue
+        tag = entry[t] if isinstance(entry[t], str) else entry[t]["tag"]
+        steps = [tag] if isinstance(entry[t], dict) else []       # halo / strides dropped
+        plain = _plain(tag)
+        if plain != tag:
+            steps.append(plain)                                     # blocks dropped
+        for value in steps:
+            e = {**entry, t: value}
+            if t == "dst" and "sum" in entry:
+                e["sum"] = value                  # sum is laid out like dst, by definition
+            if entry.get("inplace") and t in ("src", "src0", "dst"):
+                continue                          # in place: one layout for both
+            yield e
+
+
+def _plain(tag: str) -> str:
+    """The unblocked, canonical-order tag of ``tag``'s dims (``nChw16c`` -> ``nchw``)."""
+    rank = len({c.lower() for c in tag if c.isalpha()})
+    return Layout(tag, (1,) * rank).dims
+
+
+def shrink(entry: dict, fails, valid, limit: int = 12, log=print) -> dict:
+    """The simplest entry reached from ``entry`` by steps that ``valid(e)`` accepts and after
+    which ``fails(e)`` still holds, trying at most ``limit`` builds."""
+    tries = 0
+    improved = True
+    while improved and tries < limit:
+        improved = False
+        for e in simpler(entry):
+            if not valid(e):
+                continue
+            tries += 1
+            if fails(e):
+                log(f"    shrunk: {_diff(entry, e)}")
+                entry, improved = e, True
+                break
+            if tries >= limit:
+                break
+    return entry
+
+
+def _diff(a: dict, b: dict) -> str:
+    keys = [k for k in {**a, **b} if a.get(k) != b.get(k)]
+    return ", ".join(f"{k}: {a.get(k, '-')!r} -> {b.get(k, '-')!r}" for k in keys)
