@@ -136,7 +136,7 @@ def _targets(args):
 
 
 def _info(args):
-    from .runtime import manifest as mf
+    from . import manifest as mf
 
     manifest = mf.read(args.dir)
     if args.json:

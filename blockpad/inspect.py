@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import re
 
+from . import manifest as mf
 from .assembly import functions, reachable
 from .errors import LoadError
-from .runtime import manifest as mf
 
 SOURCES = "source"
 _FILES = {"asm": "kernels.s", "ll": "kernels.ll", "cuda": "kernels.cu", "ptx": "kernels.ptx"}

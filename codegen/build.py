@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from blockpad import manifest as mf
 from blockpad.errors import BlockpadError, BuildError
-from blockpad.runtime import manifest as mf
 
 from . import tuning_records
 from .kernel import alias_inplace, make_inplace

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from blockpad import machine
+from blockpad import manifest as mf
 from blockpad.errors import BuildError, SpecError
-from blockpad.runtime import machine
-from blockpad.runtime import manifest as mf
 
 from .spec import Spec, load_spec
 from .targets import Target, get_target

@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockpad.runtime import manifest as mf
+from blockpad import manifest as mf
 
 from .targets import Target
 

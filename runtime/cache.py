@@ -33,10 +33,10 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from blockpad import manifest as mf
 from blockpad.errors import BlockpadError
 from blockpad.layout import Layout
 
-from . import manifest as mf
 from .library import Kernel, Library, load
 
 DEFAULT_CAPACITY = 512

@@ -8,13 +8,13 @@ import os
 
 import numpy as np
 
+from blockpad import machine
+from blockpad import manifest as mf
 from blockpad.errors import ArgumentError, LoadError
 from blockpad.layout import Layout, numpy_dtype
+from blockpad.machine import gpu_requirement
 
-from . import machine
-from . import manifest as mf
 from . import padding
-from .machine import gpu_requirement
 from .memory import Memory, aligned_empty, physical_view
 from .tvm_runtime import load_module
 

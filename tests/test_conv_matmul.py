@@ -14,7 +14,7 @@ import blockpad as bp
 from blockpad.codegen.build import make_kernels
 from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
-from blockpad.runtime import machine
+from blockpad import machine
 from blockpad.schedules.x86_conv import RegisterTiled
 
 from .conftest import garbage

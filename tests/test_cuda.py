@@ -24,7 +24,7 @@ import pytest
 import blockpad as bp
 from blockpad.codegen.cuda_aot import FATBIN_MAGIC
 from blockpad.codegen.spec import parse_spec
-from blockpad.runtime import machine
+from blockpad import machine
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None,
                                 reason="nvcc (CUDA toolkit) not on PATH: CUDA targets compile "
@@ -729,7 +729,7 @@ class _DLManagedTensor(ctypes.Structure):
 def gpu_library(cuda_lib):
     """The built CUDA library with its module replaced by a recorder of launches (this machine
     has no GPU to load the real one on)."""
-    from blockpad.runtime import manifest as mf
+    from blockpad import manifest as mf
     from blockpad.runtime.library import Library
 
     launches = []

@@ -17,7 +17,8 @@ import scipy.special
 
 import blockpad as bp
 from blockpad.codegen.spec import parse_spec
-from blockpad.runtime import machine
+from blockpad import machine
+from blockpad import manifest as mf
 from blockpad.runtime.library import Signature
 from blockpad import assembly
 from blockpad.bench import isa
@@ -183,7 +184,7 @@ def dotprod_asm(dotprod_dir) -> dict:
 
 
 def signatures(lib_dir) -> dict:
-    manifest = bp.runtime.manifest.read(lib_dir)
+    manifest = mf.read(lib_dir)
     return {k["name"]: Signature(k) for k in manifest["kernels"]}
 
 
@@ -197,7 +198,7 @@ def neon_asm(neon_dir) -> dict:
 def test_cli_builds_an_aarch64_library_with_a_manifest(neon_dir, neon_lib):
     elf = (neon_dir / "kernels.so").read_bytes()[:20]
     assert elf[:4] == b"\x7fELF" and int.from_bytes(elf[18:20], "little") == 183   # EM_AARCH64
-    target = bp.runtime.manifest.read(neon_dir)["target"]
+    target = mf.read(neon_dir)["target"]
     assert target["name"] == "neon" and target["arch"] == "aarch64"
     assert target["features"] == ["asimd"]
     assert target["tvm"]["mtriple"] == "aarch64-linux-gnu"
@@ -432,7 +433,7 @@ def test_int8_matmul_without_dotprod_uses_no_sdot(neon_dir, neon_lib, neon_asm, 
 
 
 def test_int8_matmul_and_conv_run_on_sdot(dotprod_dir, dotprod_lib, dotprod_asm):
-    assert bp.runtime.manifest.read(dotprod_dir)["target"]["features"] == ["asimd", "asimddp"]
+    assert mf.read(dotprod_dir)["target"]["features"] == ["asimd", "asimddp"]
     int8 = [n for n, sig in dotprod_lib.items() if sig.op in ("matmul", "conv2d")]
     assert sorted(int8) == sorted(k["name"] for k in DOTPROD_SPEC["kernel"])
     for name in int8:

@@ -6,7 +6,7 @@ accumulation order) and the real one is checked in the assembly."""
 import numpy as np
 import pytest
 import tvm
-from blockpad.runtime import machine
+from blockpad import machine
 from blockpad.schedules import x86_intrin as xi
 from tvm import te
 

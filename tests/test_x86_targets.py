@@ -18,7 +18,7 @@ import pytest
 from blockpad.codegen.build import make_kernels
 from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
-from blockpad.runtime import machine
+from blockpad import machine
 from blockpad.runtime.library import Signature
 
 import blockpad as bp

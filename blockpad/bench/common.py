@@ -90,7 +90,7 @@ def native_target() -> str:
     """The widest CPU target this machine runs: PyTorch picks its kernels' ISA at run time
     (AVX-512 where the CPU has it), so a fair comparison builds blockpad for the same."""
     from blockpad.codegen.targets import TARGETS
-    from blockpad.runtime import machine
+    from blockpad import machine
 
     for name in ("avx512", "host"):
         t = TARGETS[name]

@@ -34,7 +34,7 @@ TOLERANCE = 1e-4   # max |error| / max |reference|
 def targets() -> list:
     """The blockpad targets this CPU runs: host, and avx512 where it has AVX-512."""
     from blockpad.codegen.targets import get_target
-    from blockpad.runtime.machine import missing_features
+    from blockpad.machine import missing_features
 
     return [t for t in ("host", "avx512") if not missing_features(get_target(t).features)]
 

@@ -183,7 +183,7 @@ def run_aarch64(lib_dir, kernel_name: str, args, timeout: float = 300) -> None:
 def run_many(lib_dir, calls, timeout: float = 300) -> None:
     """``run_aarch64`` for a list of ``(kernel_name, args)`` calls, run in order in one qemu
     process (emulator start-up costs about 0.3 s)."""
-    from blockpad.runtime import manifest as mf
+    from blockpad import manifest as mf
     from blockpad.runtime.library import Signature
 
     lib_dir = os.fspath(lib_dir)

@@ -104,7 +104,7 @@ def _check_gpu(out_dir, target: dict, need: tuple) -> None:
         have = "this machine's CUDA devices have compute capability " + \
             ", ".join(f"{a}.{b}" for a, b in devices)
     else:
-        from .tvm_runtime import cuda_runtime
+        from blockpad.runtime.tvm_runtime import cuda_runtime
 
         cuda_runtime()
         return
