@@ -15,6 +15,7 @@ from blockpad.layout import Layout, numpy_dtype
 from blockpad.machine import gpu_requirement
 
 from . import padding
+from .loadable import check_loadable
 from .memory import Memory, aligned_empty, physical_view
 from .tvm_runtime import load_module
 
@@ -259,7 +260,7 @@ def load(path) -> Library:
     """Load a library built by ``blockpad build``, after checking it can run here."""
     path = os.fspath(path)
     manifest = mf.read(path)
-    lib_path = mf.check_loadable(path, manifest)
+    lib_path = check_loadable(path, manifest)
     if "amx_tile" in manifest["target"].get("features", ()):
         machine.request_amx()   # before any call: a tile instruction without it is SIGILL
     try:
