@@ -166,7 +166,7 @@ def _check(args):
 
 
 def _inspect(args):
-    from .inspect import show
+    from .generated import show
 
     print(show(args.dir, args.kind, args.kernel))
 

@@ -122,7 +122,7 @@ def _write_sources(out_dir, funcs, lib, target):
     """What ``blockpad inspect`` shows: each kernel's scheduled TIR and the module's assembly
     (a deployed library cannot regenerate them: the runtime has no compiler); for CUDA also
     the device code's CUDA C and PTX."""
-    src = os.path.join(out_dir, "source")   # read by blockpad.inspect
+    src = os.path.join(out_dir, "source")   # read by blockpad.generated
     os.makedirs(src, exist_ok=True)
     for name, func in funcs.items():
         with open(os.path.join(src, f"{name}.tir.py"), "w") as f:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import tvm
 
-from . import arm, cuda, cuda_conv, cuda_reduction, generic, x86, x86_conv, x86_reduction, x86_tensorized
+from . import (arm, cpu_reduction, cuda, cuda_conv, cuda_reduction, data_movement, generic,
+               register_tiled, x86_tensorized)
 from .elementwise import Elementwise
 from .vector_math import VectorMath
 
 RULES = {
-    "x86": [*x86.RULES, Elementwise(), *x86_tensorized.RULES, *x86_conv.RULES,
-            *x86_reduction.RULES, VectorMath(), generic.Fallback()],
+    "x86": [*data_movement.RULES, Elementwise(), *x86_tensorized.RULES, *register_tiled.RULES,
+            *cpu_reduction.RULES, VectorMath(), generic.Fallback()],
     "arm": [*arm.RULES, generic.Fallback()],
     "cuda": [*cuda.RULES, *cuda_conv.RULES, *cuda_reduction.RULES, cuda.Fallback()],   # never generic.Fallback: GPU kernels must bind threads
 }

@@ -1,6 +1,6 @@
 """Arm AArch64 schedules (NEON, 128-bit vectors: 4 lanes of fp32, 16 of int8).
 
-* Data movement (reorders, zero fills): the x86 module's ``DataMovement`` rule, which is written
+* Data movement (reorders, zero fills): the CPU rule ``data_movement.DataMovement``, written
   against ``target.vector_bytes`` and the block's index expressions only (tiled transpose,
   loops partitioned where padding begins, vector stores of the register width); nothing in it
   is x86-specific. On AArch64 it gives ``q``-register stores fed by lane inserts
@@ -11,11 +11,11 @@
 * int8 convolution and matmul on ``neon-dotprod``: ``Sdot``, register tiles of ``sdot`` when
   the weights come in 4 x 4 blocks (``BA4b4a``, ``OIhw4o4i``), with padding, strides and odd
   sizes (schedules/dot_tiled.py, shared with x86's ``vpdpbusd``).
-* fp32 convolution and matmul, and int8 where there is no ``sdot``: x86's ``RegisterTiled``
-  (schedules/x86_conv.py), which reads loops and index expressions only: register tiles of
+* fp32 convolution and matmul, and int8 where there is no ``sdot``: the CPU ``RegisterTiled``
+  (schedules/register_tiled.py), which reads loops and index expressions only: register tiles of
   4-lane accumulators fed by by-element ``fmla`` (``target.tile_registers``: 20 of the 32 q
   registers), the halo staged out of the hot loop.
-* Softmax and pooling: x86's reduction rules (schedules/x86_reduction.py), likewise written
+* Softmax and pooling: the CPU reduction rules (schedules/cpu_reduction.py), likewise written
   against loops, index expressions and the vector width: rows tiled so that the source stays
   in cache between the statistics and the store, statistics vectorised along the 4-lane
   channel block.
@@ -25,7 +25,7 @@
 
 from __future__ import annotations
 
-from . import x86, x86_conv, x86_reduction
+from . import cpu_reduction, data_movement, register_tiled
 from .dot_tiled import DotTiled
 from .elementwise import Elementwise
 from .vector_math import VectorMath, vector_math
@@ -57,5 +57,5 @@ class Sdot(DotTiled):
         return register()
 
 
-RULES = [x86.DataMovement(), Elementwise(), Sdot(), x86_conv.RegisterTiled(),
-         *x86_reduction.RULES, VectorMath()]
+RULES = [data_movement.DataMovement(), Elementwise(), Sdot(), register_tiled.RegisterTiled(),
+         *cpu_reduction.RULES, VectorMath()]

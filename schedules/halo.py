@@ -1,7 +1,7 @@
 """Spatial padding of a convolution window, moved out of the hot loop on any target: the
 window's guarded reads (``if_then_else(in_image, src[...], 0)``, padding fused into the loads)
 become reads of a zero-haloed copy of the source, made by a stage of the kernel. The CPU rules
-(``x86_conv``, and the tensorized ones through it) and CUDA's ``cuda_conv`` (which stages the copy
+(``register_tiled``, and the tensorized ones through it) and CUDA's ``cuda_conv`` (which stages the copy
 in shared memory) both start from it."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ without it contributes its one schedule. Tuning measures these variants.
 
 Why each variant is its own workload, with a trivial trace, rather than one workload per
 kernel with a trace per variant (MetaSchedule's ``ScheduleFn`` way): a rule may rewrite
-``func`` before it schedules it (x86_conv stages the convolution window's source), so a
+``func`` before it schedules it (register_tiled stages the convolution window's source), so a
 variant's trace does not replay on the kernel's function, and MetaSchedule replays every trace
 when it opens a database (it refuses such records: "old_outputs.size() ==
 new_outputs.size()"). A scheduled function with a trace that only annotates it is a record any

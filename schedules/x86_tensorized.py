@@ -7,7 +7,7 @@ the destination's innermost dim, also the weights' second-innermost (weights pac
 contiguous bytes, one zmm); ``r`` the reduction loop walking both the source's and the
 weights' innermost dim; ``t`` the rows of a tile (``ow``, matmul rows).
 
-``Vnni`` (targets with ``avx512_vnni``): the micro-kernel of ``x86_conv.RegisterTiled`` with
+``Vnni`` (targets with ``avx512_vnni``): the micro-kernel of ``register_tiled.RegisterTiled`` with
 its FMAs replaced by dot products: ``dot_tiled.DotTiled`` with 16 lanes, ``dst`` tiled ``mr``
 rows x 1-3 vectors of 16 columns, ``acc`` per tile, each step one ``vpdpbusd`` per row and
 column vector. The tile is a ``global`` buffer of under 1 KiB (``VNNI_TILE``): TVM 0.27 puts
@@ -33,7 +33,7 @@ multiples of 16, are left to the next rule.
 
 A rule returns None for what it does not take (another dtype, dims that are not multiples of
 the tile, a predicated or guarded nest it cannot tensorize), and the next rule in the table
-tries: ``Amx`` falls back to ``Vnni``, which falls back to ``x86_conv.RegisterTiled``.
+tries: ``Amx`` falls back to ``Vnni``, which falls back to ``register_tiled.RegisterTiled``.
 
 ``reference=True`` builds the same schedule with the plain-loop twins of the intrinsics, so
 that the algorithm runs, and is checked against numpy, on a CPU without the instructions.

@@ -181,7 +181,7 @@ def test_cli_build_and_info(tmp_path):
 
 
 def test_inspect_shows_tir_and_asm(reorder_lib_dir):
-    from blockpad.inspect import show
+    from blockpad.generated import show
 
     tir = show(reorder_lib_dir, "tir", "to_halo")
     assert "def to_halo(" in tir and "T.vectorized" in tir

@@ -15,7 +15,7 @@ from blockpad.codegen.build import make_kernels
 from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
 from blockpad import machine
-from blockpad.schedules.x86_conv import RegisterTiled
+from blockpad.schedules.register_tiled import RegisterTiled
 
 from .conftest import garbage
 

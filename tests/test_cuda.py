@@ -155,7 +155,7 @@ def test_inspect_shows_cuda_and_ptx(cuda_lib):
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.count('extern "C" __global__') == 1
     assert "relu_stage_kernel(" in cli.stdout and "zero_pad_dst" not in cli.stdout
-    from blockpad.inspect import show
+    from blockpad.generated import show
 
     assert show(out, "cuda").count("__global__") >= 2 * len(SPEC["kernel"])
     ptx = show(out, "ptx", "zero_pad_halo")
@@ -559,7 +559,7 @@ def ops_lib(request, build_dir):
 
 
 def kernel_ptx(out, name):
-    from blockpad.inspect import show
+    from blockpad.generated import show
 
     return show(out, "ptx", name)
 

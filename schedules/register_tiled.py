@@ -1,4 +1,5 @@
-"""x86 schedules (AVX2, AVX-512) for convolution and matmul: a register-tiled direct kernel.
+"""CPU schedules (x86 AVX2 and AVX-512, Arm NEON) for convolution and matmul: a register-tiled
+direct kernel.
 
 Both ops come from ``codegen.ops.common.materialize`` as two stages over the destination's
 physical index space: ``acc`` (the reduction) and ``dst`` (post-ops, cast, padding store). The

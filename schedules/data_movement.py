@@ -1,4 +1,4 @@
-"""x86 schedules (AVX2 host and AVX-512) for data movement: reorders and zero fills.
+"""CPU schedules (x86 AVX2 and AVX-512, Arm NEON) for data movement: reorders and zero fills.
 
 A reorder is declared over the destination's physical index space, so walking it in order gives
 contiguous stores; its loads are contiguous only along the one loop that walks the source's

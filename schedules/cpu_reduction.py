@@ -1,5 +1,5 @@
-"""x86 schedules (AVX2, AVX-512) for softmax and pooling: memory-bound reductions that read
-each source element a few times and write each destination element once.
+"""CPU schedules (x86 AVX2 and AVX-512, Arm NEON) for softmax and pooling: memory-bound
+reductions that read each source element a few times and write each destination element once.
 
 Softmax (``codegen.ops.softmax``: row statistics ``max``, ``sum``, ``norm``, then ``dst``) is
 computed one tile of rows at a time: the destination's loops along the softmax axis, and the
@@ -37,7 +37,7 @@ from tvm import s_tir, tirx
 from tvm.sym.analyzer import Analyzer
 
 from .common import op_of, vector_lanes
-from .x86 import SERIAL_BYTES
+from .data_movement import SERIAL_BYTES
 
 TILE_BYTES = 64 << 10    # softmax rows computed together: their source stays in L2 between passes
 SPATIAL, REDUCE = 0, 2   # IterVar types
