@@ -30,13 +30,13 @@ class Arg:
 
 
 @dataclass
-class Kernel:
+class KernelDef:
     name: str
     op: str
     args: list[Arg]
     func: tirx.PrimFunc
     params: dict = field(default_factory=dict)
-    contract: dict | None = None   # the padding contract (codegen.policy.Plan.contract)
+    contract: dict | None = None   # the padding contract (codegen.policy.PaddingPlan.contract)
     inplace_of: int | None = None  # index of the source the result overwrites
 
     def describe(self) -> dict:
@@ -68,7 +68,7 @@ def strided_buffer(layout: Layout, name: str, storage: str) -> tirx.Buffer:
                             data_alignment=itemsize)
 
 
-def make_inplace(kernel: Kernel, source: str) -> Kernel:
+def make_inplace(kernel: KernelDef, source: str) -> KernelDef:
     """The same kernel writing its result over source ``source`` (seed 003's in-place ops):
     the source becomes one ``inout`` argument and the destination parameter goes away. Valid
     for ops whose every output element is computed from reads made before it is written
@@ -85,11 +85,11 @@ def make_inplace(kernel: Kernel, source: str) -> Kernel:
                         f"{src.layout} and {dst.layout}")
     args = [Arg(a.name, a.layout, "inout", a.storage) if a is src else a for a in kernel.args]
     params = {**kernel.params, "inplace": True}
-    return Kernel(kernel.name, kernel.op, args, kernel.func, params, kernel.contract,
-                  inplace_of=kernel.args.index(src))
+    return KernelDef(kernel.name, kernel.op, args, kernel.func, params, kernel.contract,
+                     inplace_of=kernel.args.index(src))
 
 
-def alias_inplace(func: tirx.PrimFunc, kernel: Kernel) -> tirx.PrimFunc:
+def alias_inplace(func: tirx.PrimFunc, kernel: KernelDef) -> tirx.PrimFunc:
     """Point the scheduled func's stores to its destination at the in-place source's buffer
     and drop the destination parameter."""
     if kernel.inplace_of is None:
@@ -100,7 +100,7 @@ def alias_inplace(func: tirx.PrimFunc, kernel: Kernel) -> tirx.PrimFunc:
     return tirx.PrimFunc(list(func.params)[:-1], body, attrs=func.attrs)
 
 
-def finish(func: tirx.PrimFunc, name: str, op: str, args: list[Arg]) -> Kernel:
+def finish(func: tirx.PrimFunc, name: str, op: str, args: list[Arg]) -> KernelDef:
     """Replace the compact TE parameter buffers by the layouts' strided ones and name the func."""
     replace = {}
     for param, arg in zip(func.params, args):
@@ -108,4 +108,4 @@ def finish(func: tirx.PrimFunc, name: str, op: str, args: list[Arg]) -> Kernel:
     func = tvm_ffi.structural_map(
         func, (tirx.Var, lambda v: next((new for old, new in replace.items() if v.same_as(old)), v)))
     func = func.with_attr("global_symbol", name).with_attr(OP_ATTR, op)
-    return Kernel(name, op, args, func)
+    return KernelDef(name, op, args, func)

@@ -1,9 +1,9 @@
 """The six zero-padding policies (seed 000, DESIGN.md) and what each makes the generator emit.
 
-A policy is decided per kernel into a ``Plan``: how the kernel reads its sources' padding, how it
-writes its destination's, which separate zero-pad stages run around it, and the contract the
-manifest records for the runtime (what the kernel requires of each source, what it promises of
-its destination).
+A policy is decided per kernel into a ``PaddingPlan``: how the kernel reads its sources' padding,
+how it writes its destination's, which separate zero-pad stages run around it, and the contract the
+manifest records for the runtime (what the kernel requires of each source, what it promises of its
+destination).
 
 Source padding states: ``clean`` (zero), ``dirty`` (anything), ``unknown``.
 """
@@ -25,7 +25,7 @@ DEFAULT_POLICY = "dst_fused"
 
 
 @dataclass(frozen=True)
-class Plan:
+class PaddingPlan:
     policy: str
     reads: str            # "trusted": sources' padding is zero | "masked": kernel ignores it
     dst_writes: str       # one of the four above
@@ -47,7 +47,7 @@ def check_policy(name: str) -> str:
 
 
 def plan(policy: str, propagates_zero: bool, reads_padding: bool,
-         reduces_over_padding: bool = False) -> Plan:
+         reduces_over_padding: bool = False) -> PaddingPlan:
     """Decide what to emit for one kernel.
 
     ``propagates_zero``: derived from the op's TE (codegen.ops.common.propagates_zero) -- with
@@ -62,20 +62,21 @@ def plan(policy: str, propagates_zero: bool, reads_padding: bool,
     check_policy(policy)
     fused = "full" if propagates_zero else "select"
     if policy == "dst_fused":     # seed 000 option 1: kernels keep destinations clean
-        return Plan(policy, "trusted", fused, False, False, "clean", "clean")
+        return PaddingPlan(policy, "trusted", fused, False, False, "clean", "clean")
     if policy == "dst_stage":     # option 2: valid region only, then a separate zero-pad kernel
-        return Plan(policy, "trusted", "valid", True, False, "clean", "clean")
+        return PaddingPlan(policy, "trusted", "valid", True, False, "clean", "clean")
     if policy in ("on_handle", "user"):   # current oneDNN / option 5: zeroed at handle time,
-        return Plan(policy, "trusted", "valid", False, False, "clean", "preserved")  # preserved
+        return PaddingPlan(policy, "trusted", "valid", False, False, "clean",
+                           "preserved")   # preserved
     if policy == "src":           # option 3: consumers do not trust input padding
         if reduces_over_padding:
-            return Plan(policy, "trusted", "any", False, True, "clean", "dirty")
-        return Plan(policy, "masked", "any", False, False, "any",
-                    "clean" if propagates_zero else "dirty")
+            return PaddingPlan(policy, "trusted", "any", False, True, "clean", "dirty")
+        return PaddingPlan(policy, "masked", "any", False, False, "any",
+                           "clean" if propagates_zero else "dirty")
     # tracked (option 4): cheapest code; the runtime zero-pads lazily where a consumer needs it
     # (a kernel that reads padding or halo), as seed 000 lets each implementation say what it
     # accepts. "full" arithmetic on clean sources gives a clean destination when the op
     # propagates zeros.
-    return Plan(policy, "trusted", "full" if propagates_zero else "any", False, False,
-                "clean" if reads_padding else "any",
-                "inherit" if propagates_zero else "dirty")
+    return PaddingPlan(policy, "trusted", "full" if propagates_zero else "any", False, False,
+                       "clean" if reads_padding else "any",
+                       "inherit" if propagates_zero else "dirty")

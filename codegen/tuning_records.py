@@ -67,7 +67,7 @@ def workload_hash(mod) -> str:
 # ---- reading the logs --------------------------------------------------------------------------
 
 @dataclass
-class Choice:
+class TuningDecision:
     """What a build does with one kernel: the tuned func, or None (default schedule) and why."""
 
     func: object
@@ -153,7 +153,7 @@ class Logs:
                                          f"line {i + 1} is corrupt and is ignored ({e})")
         return out
 
-    def choose(self, name: str, func, tvm_target) -> Choice:
+    def choose(self, name: str, func, tvm_target) -> TuningDecision:
         """The fastest measured variant of kernel ``name`` for this target and TVM, or why
         there is none."""
         from blockpad.schedules import space
@@ -192,13 +192,13 @@ class Logs:
                    f"none of the {len(funcs)} variants the schedule rules produce now was "
                    f"measured (the rules changed since tuning)")
             return _default(why)
-        return Choice(funcs[best[0]], {"tuned": True, "variant": best[0],
-                                       "variants": len(funcs), "trials": trials,
-                                       "time_us": round(best[1] * 1e6, 3)})
+        return TuningDecision(funcs[best[0]], {"tuned": True, "variant": best[0],
+                                               "variants": len(funcs), "trials": trials,
+                                               "time_us": round(best[1] * 1e6, 3)})
 
 
-def _default(reason) -> Choice:
-    return Choice(None, {"tuned": False, "reason": reason})
+def _default(reason) -> TuningDecision:
+    return TuningDecision(None, {"tuned": False, "reason": reason})
 
 
 def record_time(record) -> float:

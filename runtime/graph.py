@@ -51,7 +51,7 @@ from blockpad.layout import Layout, dtype_name, numpy_dtype
 
 from . import counters
 from .cache import KernelCache, Request, default_cache
-from .graph_ops import ELTWISE, OPS, plain
+from .graph_ops import ELTWISE, GRAPH_OPS, plain
 from .memory import CLEAN, Memory, aligned_empty
 from .padding import zero_pad
 from .passes import InplaceResult, Node, fuse_post_ops, inplace_pass
@@ -325,15 +325,15 @@ class Graph:
             self._prepacked.discard(name)
 
     def add_op(self, op, inputs, attrs=None, name=None, outputs=None, n_outputs=1):
-        """Append an op (``op`` a key of graph_ops.OPS) and return its output Tensor(s)."""
-        if op not in OPS:
-            raise ArgumentError(f"op: expected one of {', '.join(OPS)}; got {op!r}")
+        """Append an op (``op`` a key of graph_ops.GRAPH_OPS) and return its output Tensor(s)."""
+        if op not in GRAPH_OPS:
+            raise ArgumentError(f"op: expected one of {', '.join(GRAPH_OPS)}; got {op!r}")
         ins = [self._var(t) for t in inputs]
         name = name or self._fresh(op)
         if any(n.name == name for n in self.nodes):
             raise ArgumentError(f"an op named {name!r} exists already")
         node = Node(name, op, ins, [], dict(attrs or {}))
-        types = OPS[op].infer(node, [self._types[v] for v in ins])
+        types = GRAPH_OPS[op].infer(node, [self._types[v] for v in ins])
         if outputs is None:
             outputs = [name] if len(types) == 1 else [f"{name}:{i}" for i in range(len(types))]
             taken = [o for o in outputs if o in self._types]
@@ -757,11 +757,11 @@ class Plan:
         for n in g.nodes:
             ins = [env_types[v] for v in n.inputs]
             node_types[n.name] = ins
-            for o, t in zip(n.outputs, OPS[n.op].infer(n, ins)):
+            for o, t in zip(n.outputs, GRAPH_OPS[n.op].infer(n, ins)):
                 env_types[o] = (tuple(t[0]), dtype_name(t[1]))
 
         def capable(node):
-            info = OPS[node.op]
+            info = GRAPH_OPS[node.op]
             return info.inplace_inputs(node, node_types[node.name]) if info.inplace_capable else []
 
         protected = set(g.inputs) | set(g.constants) | set(g.outputs)
@@ -798,7 +798,7 @@ class Plan:
     def _place(self, node, env, defs):
         """Layout propagation and kernel choice for one op, with its reorders before it."""
         g = self.graph
-        info = OPS[node.op]
+        info = GRAPH_OPS[node.op]
         ins = [env[v] for v in node.inputs]
         types = [(v.shape, v.dtype) for v in ins]
         out_types = info.infer(node, types)
@@ -1068,7 +1068,7 @@ class _Execution:
         return run
 
     def _numpy(self, st):
-        info = OPS[st.node.op]
+        info = GRAPH_OPS[st.node.op]
         ins = [self.mems[b.id] for b in st.reads]
         outs = [self.mems[b.id] for b in st.writes]
 

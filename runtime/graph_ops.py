@@ -45,7 +45,7 @@ def blocked(shape, dtype, block) -> Layout | None:
 
 
 @dataclass
-class Choice:
+class Candidate:
     """One way to run a node: a layout per input and per output, ``request(inplace)`` giving
     the kernel request (None: the numpy reference), and the kernel's arguments as ('in', i) /
     ('out', j) in call order."""
@@ -130,8 +130,8 @@ class Eltwise(OpInfo):
             req = lambda inplace, lay=lay: Request.make(   # noqa: E731
                 "eltwise", [("src", lay), ("dst", lay)],
                 {**self._params(node), **({"inplace": True} if inplace else {})}, graph.policy)
-            out.append(Choice([lay], [lay], req, [("in", 0), ("out", 0)],
-                              "plain" if lay.is_plain else "blocked"))
+            out.append(Candidate([lay], [lay], req, [("in", 0), ("out", 0)],
+                                 "plain" if lay.is_plain else "blocked"))
         return out
 
     def reference(self, node, arrays):
@@ -184,8 +184,8 @@ class Binary(OpInfo):
                     params["inplace"] = True
                 return Request.make("binary", [("src0", l0), ("src1", l1), ("dst", ld)],
                                     params, graph.policy, shape=s0, implied={"shape1": list(s1)})
-            out.append(Choice([l0, l1], [ld], req, [("in", 0), ("in", 1), ("out", 0)],
-                              "plain" if l0.is_plain else "blocked"))
+            out.append(Candidate([l0, l1], [ld], req, [("in", 0), ("in", 1), ("out", 0)],
+                                 "plain" if l0.is_plain else "blocked"))
         return out
 
     def reference(self, node, arrays):
@@ -222,8 +222,8 @@ class Softmax(OpInfo):
                 if inplace:
                     params["inplace"] = True
                 return Request.make("softmax", [("src", lay), ("dst", lay)], params, graph.policy)
-            out.append(Choice([lay], [lay], req, [("in", 0), ("out", 0)],
-                              "plain" if lay.is_plain else "blocked"))
+            out.append(Candidate([lay], [lay], req, [("in", 0), ("out", 0)],
+                                 "plain" if lay.is_plain else "blocked"))
         return out
 
     def reference(self, node, arrays):
@@ -336,11 +336,11 @@ class Conv2d(OpInfo):
                 continue
             s, d = blocked(src, dt, block), blocked(out_shape, dt, block)
             lays = [s, wl] + [plain(t[0], t[1]) if len(t[0]) == 1 else d for t in extra] + [d]
-            out.append(Choice(lays[:-1], [d], lambda inplace, lays=lays: self._request(
+            out.append(Candidate(lays[:-1], [d], lambda inplace, lays=lays: self._request(
                 node, types, lays, graph), args, f"nChw{block}c"))
         lays = [plain(src, dt), self._weights(w, dt, groups)] + \
             [plain(t[0], t[1]) for t in extra] + [plain(out_shape, dt)]
-        out.append(Choice(lays[:-1], [lays[-1]], lambda inplace, lays=lays: self._request(
+        out.append(Candidate(lays[:-1], [lays[-1]], lambda inplace, lays=lays: self._request(
             node, types, lays, graph), args, "plain"))
         return out
 
@@ -367,12 +367,12 @@ class Custom(OpInfo):
 
     def choices(self, node, types, homes, graph):
         outs = [plain(s, d) for s, d in node.attrs["outputs"]]
-        return [Choice([plain(s, d) for s, d in types], outs, None, [], "numpy")]
+        return [Candidate([plain(s, d) for s, d in types], outs, None, [], "numpy")]
 
     def reference(self, node, arrays):
         result = node.attrs["fn"](*arrays)
         return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
-OPS = {"eltwise": Eltwise(), "binary": Binary(), "softmax": Softmax(), "conv2d": Conv2d(),
+GRAPH_OPS = {"eltwise": Eltwise(), "binary": Binary(), "softmax": Softmax(), "conv2d": Conv2d(),
        "custom": Custom()}

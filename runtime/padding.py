@@ -1,8 +1,8 @@
 """Running zero-pads, and the padding contract around every kernel call.
 
 The build records, per kernel, what it requires of its sources' padding and what it leaves in
-its destination's (codegen.policy.Plan.contract). This module is where the runtime honours it:
-which zero-pads run before and after a kernel, and which state each memory is left in."""
+its destination's (codegen.policy.PaddingPlan.contract). This module is where the runtime honours
+it: which zero-pads run before and after a kernel, and which state each memory is left in."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 SPATIAL, REDUCE = 0, 2   # IterVar types
 
 
-class Nest:
+class DotShape:
     """The dot-product shape of a fresh ``acc`` block, or ``ok = False``: which iter var is
     ``t``, ``u`` and ``r`` (``j`` is the last spatial one; see the module doc), the source and
     weight element types, the accumulator's, the guard around the source read and the one
@@ -190,7 +190,7 @@ def schedule(func, target, tile):
         acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
     except s_tir.ScheduleError:
         return None
-    nest = Nest(sch, acc)
+    nest = DotShape(sch, acc)
     if not nest.ok or len(sch.get_loops(dst)) != nest.n_sp:
         return None
     stages = [b for b in root_blocks(sch) if sch.get(b).name_hint not in ("acc", "dst")]
@@ -288,7 +288,7 @@ def pad_dot(func, lanes):
     needed or the nest is not such a dot product (the rule then declines it)."""
     sch = s_tir.Schedule(func)
     try:
-        nest = Nest(sch, sch.get_sblock("acc"))
+        nest = DotShape(sch, sch.get_sblock("acc"))
     except s_tir.ScheduleError:
         return func
     if not nest.ok:
@@ -393,7 +393,7 @@ def lift_weight_guard(func, lanes):
     buffer."""
     sch = s_tir.Schedule(func)
     try:
-        nest = Nest(sch, sch.get_sblock("acc"))
+        nest = DotShape(sch, sch.get_sblock("acc"))
     except s_tir.ScheduleError:
         return func
     if not nest.ok or nest.wei_guard is None or _lane_uniform(nest, lanes) \

@@ -22,7 +22,7 @@ def same_shape(tensors):
 @dataclass(frozen=True)
 class Op:
     tensors: tuple                       # tensor argument names, call order
-    make: Callable                       # make(layouts, name, policy, **params) -> [Kernel]
+    make: Callable                       # make(layouts, name, policy, **params) -> [KernelDef]
     params: dict = field(default_factory=dict)   # parameter -> default
     signature: Callable | None = None    # (shape, dtype, params) -> {tensor: (shape, dtype)}
     default_tags: dict = field(default_factory=dict)   # tensors a spec may leave out

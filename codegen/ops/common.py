@@ -23,8 +23,8 @@ from tvm.sym.analyzer import Analyzer
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
 
-from ..kernel import Arg, Kernel, finish
-from ..policy import Plan, plan
+from ..kernel import Arg, KernelDef, finish
+from ..policy import PaddingPlan, plan
 
 
 class Source:
@@ -101,7 +101,8 @@ class OpDef:
     extra_args: Sequence = ()   # (te.Tensor, Arg) pairs that are not layouts' sources (scales)
 
 
-def plan_for(policy: str, opdef: OpDef, dst: Layout, reduces_over_padding: bool = False) -> Plan:
+def plan_for(policy: str, opdef: OpDef, dst: Layout,
+             reduces_over_padding: bool = False) -> PaddingPlan:
     """The policy's plan for ``opdef`` (declared with ``trusted`` sources), with what the plan
     depends on derived from its TE: ``propagates_zero`` and ``reads_padding``."""
     return plan(policy, propagates_zero=propagates_zero(opdef, dst),
@@ -152,8 +153,8 @@ def propagates_zero(opdef: OpDef, dst: Layout) -> bool:
     return True
 
 
-def materialize(opdef: OpDef, dst: Layout, plan: Plan, name: str,
-                out_storage: str | None = None) -> list[Kernel]:
+def materialize(opdef: OpDef, dst: Layout, plan: PaddingPlan, name: str,
+                out_storage: str | None = None) -> list[KernelDef]:
     """The kernel computing ``opdef`` into ``dst`` as ``plan`` says, plus, under ``dst_stage``,
     the separate zero-pad kernel the runtime runs after it.
 

@@ -9,10 +9,10 @@ from tvm.tirx.script import builder as T
 from blockpad.errors import LayoutError
 from blockpad.layout import Layout
 
-from ..kernel import Arg, Kernel, finish, movement_storage, placeholder
+from ..kernel import Arg, KernelDef, finish, movement_storage, placeholder
 
 
-def reorder(src: Layout, dst: Layout, name: str) -> Kernel:
+def reorder(src: Layout, dst: Layout, name: str) -> KernelDef:
     """``dst`` = ``src`` relaid out; every padding element of ``dst`` is written zero."""
     if src.shape != dst.shape or src.dtype != dst.dtype:
         raise LayoutError(f"reorder: src and dst must hold the same logical tensor; got "
@@ -30,7 +30,7 @@ def reorder(src: Layout, dst: Layout, name: str) -> Kernel:
     return finish(te.create_prim_func([s, d]), name, "reorder", args)
 
 
-def zero_pad(layout: Layout, name: str) -> Kernel:
+def zero_pad(layout: Layout, name: str) -> KernelDef:
     """Write zero into the padding of ``layout``, in place, leaving its elements untouched.
 
     One block per padded region: along each padded dim, only the outer indices that hold
