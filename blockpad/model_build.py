@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from blockpad import manifest as mf
 from blockpad.errors import BlockpadError, BuildError
-from blockpad.runtime import manifest as mf
 from blockpad.runtime import model as rm
 from blockpad.runtime.cache import KernelCache, Request
 from blockpad.runtime.graph import Graph

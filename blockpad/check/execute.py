@@ -63,7 +63,7 @@ class Emulated:
     compiled function) run here, on the same memories."""
 
     def __init__(self, lib_dir):
-        from blockpad.runtime import manifest as mf
+        from blockpad import manifest as mf
         from blockpad.runtime.library import Signature
 
         self.dir = lib_dir
@@ -106,7 +106,7 @@ def memory(sig, layout, buf, clean, library):
 
 def runner(lib_dir, target):
     from blockpad.codegen.targets import get_target
-    from blockpad.runtime import machine
+    from blockpad import machine
 
     if get_target(target).arch != machine.arch():
         return Emulated(lib_dir)
