@@ -179,9 +179,9 @@ class Run:
 
 def _check_runnable(target: str) -> None:
     """Refuse, before building anything, a target whose kernels cannot run here."""
+    from blockpad import machine
     from blockpad.codegen.targets import get_target
     from blockpad.errors import BlockpadError, MissingCPUFeatureError
-    from blockpad import machine
     from blockpad.testing import qemu
 
     t = get_target(target)                # an unknown target fails here, with the list

@@ -7,9 +7,11 @@ the layout's elements sit in the middle, and every byte that is neither a logica
 padding (the guard regions before and after, the gaps of a strided layout) must keep the
 pattern. Around one call:
 
-* sources hold random values; their padding is NaN (all-ones bits for integers) wherever the
-  padding contract the manifest records lets the caller hand over dirty padding, else zero;
-  sources the kernel only reads are read-only buffers and must come back byte for byte;
+* sources hold random values; their padding is mostly NaN (all-ones bits for integers), the
+  memory's state saying so (``dirty`` or ``unknown``): a kernel whose contract (``padding`` in
+  the manifest) says ``requires: any`` must cope with it, one that requires ``clean`` must be
+  handed it zeroed by the runtime (seed 001 option C); sources the kernel only reads are
+  read-only buffers and must come back byte for byte;
 * destinations start as NaN everywhere (their padding zeroed when the memory is made under
   ``on_handle`` and ``user``, as those policies do);
 * the destination's logical elements are compared with ``reference`` within its error bound;
@@ -105,8 +107,8 @@ def memory(sig, layout, buf, clean, library):
 
 
 def runner(lib_dir, target):
-    from blockpad.codegen.targets import get_target
     from blockpad import machine
+    from blockpad.codegen.targets import get_target
 
     if get_target(target).arch != machine.arch():
         return Emulated(lib_dir)
@@ -114,17 +116,6 @@ def runner(lib_dir, target):
 
 
 # ---- one case -----------------------------------------------------------------------------------
-
-def may_be_dirty(contract, op: str) -> bool:
-    """Whether a caller may hand this kernel a source with garbage in its padding: the
-    contract requires nothing of it (``requires: any``), or the runtime cleans it before the
-    call (``tracked`` from the memory's state, ``src`` with a source stage on every call,
-    ``on_handle`` / ``user`` when the memory is made). Reorders read logical elements only."""
-    if contract is None:
-        return op == "reorder"
-    return (contract["requires"] == "any" or contract["src_stage"]
-            or contract["policy"] in ("tracked", "on_handle", "user"))
-
 
 def source_values(name, layout, entry, sig, rng) -> np.ndarray:
     """Random logical values: full-range integers (s8 -128..127, u8 0..255: a shifted or
@@ -182,10 +173,8 @@ def run_case(k: int, entry: dict, seed: int, call) -> dict:
     sig = call.signature(entry["name"])
     # the entry's parameters, those it leaves out at the defaults the manifest recorded
     entry = {**sig.params, **entry, "op": sig.op}
-    contract = sig.padding
     rng = np.random.default_rng((seed, k, 1))
     args, mems, inputs = [], [], {}
-    dirty_any = may_be_dirty(contract, sig.op)
     for name, role, layout, _ in sig.args:
         a = Arg(name, role, layout)
         if role == "out":
@@ -194,7 +183,7 @@ def run_case(k: int, entry: dict, seed: int, call) -> dict:
         else:
             values = source_values(name, layout, entry, sig, rng)
             inputs["src" if sig.op == "zero_pad" else name] = values
-            dirty = sig.op == "zero_pad" or (dirty_any and rng.random() < 0.7)
+            dirty = sig.op == "zero_pad" or rng.random() < 0.7
             a.buf[layout.logical_offsets()] = values
             a.buf.view(np.uint8)[_padding_bytes(layout)] = 0xFF if dirty else 0
             buf = a.buf
