@@ -66,6 +66,48 @@ def dtype_name(dtype) -> str:
     return name
 
 
+def pad_sides(value) -> tuple:
+    """A convolution's or pooling's spatial ``pad`` as ``((top, bottom), (left, right))``, from
+    one integer (every side), a pair ``[h, w]`` (symmetric per dim) or a pair of ``[before,
+    after]`` pairs ``[[top, bottom], [left, right]]`` (per side, the way a layout's
+    ``paddings`` are written: ONNX's asymmetric ``pads``). Shared by the spec and the graph."""
+    def count(v):
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0
+
+    seq = value if isinstance(value, (list, tuple)) else None
+    if count(value):
+        pairs = ((int(value),) * 2,) * 2
+    elif seq is not None and len(seq) == 2 and all(count(v) for v in seq):
+        pairs = tuple((int(v), int(v)) for v in seq)
+    elif seq is not None and len(seq) == 2 and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(count(v) for v in p) for p in seq):
+        pairs = tuple((int(a), int(b)) for a, b in seq)
+    else:
+        raise LayoutError(f"pad: expected an integer >= 0, a pair [h, w] of them or a pair of "
+                          f"[before, after] pairs [[top, bottom], [left, right]]; got {value!r}")
+    return pairs
+
+
+def pad_sides_param(pairs) -> list:
+    """The recorded form of a ``pad_sides``: ``[h, w]`` when each dim is symmetric (the form
+    kernels had before per-side pads, so their names and cache keys stay), else the pairs."""
+    if all(a == b for a, b in pairs):
+        return [a for a, _ in pairs]
+    return [list(p) for p in pairs]
+
+
+def window_out_size(n, kernel, stride, pad, dilation=1, ceil_mode=False) -> int:
+    """Output extent of a sliding window (convolution, pooling) over ``n`` cells padded by
+    ``pad = (before, after)``. ``ceil_mode`` rounds up (PyTorch's and ONNX's pooling), but no
+    window may start in the ``after`` padding: one that would is dropped, as PyTorch and ONNX
+    Runtime do."""
+    span = n + pad[0] + pad[1] - dilation * (kernel - 1) - 1
+    if not ceil_mode:
+        return span // stride + 1
+    out = -(-span // stride) + 1
+    return out - 1 if (out - 1) * stride >= n + pad[0] else out
+
+
 @dataclass(frozen=True)
 class PhysicalDim:
     """One dim of the physical buffer: the outer part of logical dim ``dim`` or one of its blocks."""

@@ -6,7 +6,7 @@
 with g = k // (K/G) the group of output channel k. Weights are ``(K, C, KH, KW)`` (``oihw``
 family) for ``groups = 1`` and ``(G, K/G, C/G, KH, KW)`` (``goihw``) otherwise; depthwise is
 ``groups = C`` (e.g. ``Goihw16g``). ``dilation = 1`` is a dense kernel (PyTorch's convention,
-oneDNN's 0). ``pad`` is symmetric. Element types as matmul's (``postops.types``): float32
+oneDNN's 0). ``pad``: see below. Element types as matmul's (``postops.types``): float32
 (float64, float16 too); int8: ``uint8``/``int8`` source x ``int8`` weights accumulated in int32,
 then ``dst = scale[k] * acc`` (+ post-ops) in float32; or ``bfloat16`` x ``bfloat16``
 accumulated in float32, bias and post-ops in float32, a float32 destination. bf16 is kept as its
@@ -24,6 +24,9 @@ Spatial padding is read as zero in one of three ways, all from the same declarat
   [1, 1]}``, written clean by its producer) is read without bounds checks, whatever
   ``spatial_pad`` says.
 
+``pad`` is one integer, ``[h, w]`` (symmetric) or ``[[top, bottom], [left, right]]`` (per side:
+ONNX's asymmetric ``pads`` and ``auto_pad = SAME_*``); symmetric pads are recorded as ``[h, w]``.
+
 Channel padding: with ``groups = 1`` the reduction runs over the channels that both the source
 and the weights pad to (whole blocks), relying on zeros there instead of a tail loop, so the
 kernel reads source padding (``reduces_over_padding``).
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 from tvm import te
 
 from blockpad.errors import SpecError
-from blockpad.layout import Layout
+from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
 
 from . import postops
 from .common import OpDef, Source, int_pair, materialize, plan_for
@@ -58,7 +61,7 @@ class Geometry:
     groups: int
     kernel: tuple
     stride: tuple
-    pad: tuple
+    pad: tuple          # ((top, bottom), (left, right))
     dilation: tuple
 
     @classmethod
@@ -74,16 +77,17 @@ class Geometry:
                             f"got {groups!r}")
         pair = lambda v, what, least: int_pair("conv2d", v, what, least)  # noqa: E731
         geo = cls(*shape, channels, g, pair(kernel, "kernel", 1), pair(stride, "stride", 1),
-                  pair(pad, "pad", 0), pair(dilation, "dilation", 1))
+                  pad_sides(pad), pair(dilation, "dilation", 1))
         if min(geo.out) < 1:
+            (t, b), (l, r) = geo.pad
             raise SpecError(f"conv2d: the kernel {list(geo.kernel)} (dilation "
                             f"{list(geo.dilation)}) does not fit the padded image "
-                            f"{shape[2] + 2 * geo.pad[0]}x{shape[3] + 2 * geo.pad[1]}")
+                            f"{shape[2] + t + b}x{shape[3] + l + r}")
         return geo
 
     @property
     def out(self) -> tuple:
-        return tuple((n + 2 * p - d * (r - 1) - 1) // s + 1 for n, p, d, r, s in
+        return tuple(window_out_size(n, r, s, p, d) for n, p, d, r, s in
                      zip((self.h, self.w), self.pad, self.dilation, self.kernel, self.stride))
 
     @property
@@ -113,12 +117,14 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
     geo = Geometry.of(src.shape, channels, kernel, stride, pad, dilation, groups)
     if spatial_pad not in ("fused", "stage"):
         raise SpecError(f"conv2d: spatial_pad must be 'fused' or 'stage'; got {spatial_pad!r}")
-    (sh, sw), (ph, pw), (dh, dw), (kh, kw) = geo.stride, geo.pad, geo.dilation, geo.kernel
+    (sh, sw), (dh, dw), (kh, kw) = geo.stride, geo.dilation, geo.kernel
+    ph, pw = (before for before, _ in geo.pad)
     cg, kg = geo.c // groups, geo.k // groups
     # groups = 1: reduce over whole channel blocks where source and weights both have them
     c_red = min(src.padded_shape[1], wei.padded_shape[1]) if groups == 1 else cg
     reduces_over_padding = c_red > cg
-    halo_covers = all(p <= min(h) for p, h in zip(geo.pad, src.paddings[2:]))
+    halo_covers = all(p[0] <= h[0] and p[1] <= h[1]
+                      for p, h in zip(geo.pad, src.paddings[2:]))
     staged = spatial_pad == "stage" and not halo_covers
     bits, elem = postops.dot_operand(src.dtype)
 
@@ -139,8 +145,8 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
             return te.sum(elem(a) * elem(b), axis=[rc, rh, rw])
 
         params = {"channels": geo.k, "kernel": list(geo.kernel), "stride": list(geo.stride),
-                  "pad": list(geo.pad), "dilation": list(geo.dilation), "groups": groups,
-                  "spatial_pad": spatial_pad, "post_ops": list(post_ops)}
+                  "pad": pad_sides_param(geo.pad), "dilation": list(geo.dilation),
+                  "groups": groups, "spatial_pad": spatial_pad, "post_ops": list(post_ops)}
         return OpDef("conv2d", [x, w, *post.sources.values()], value, reduce=True,
                      epilogue=post, params=params, axes=[rc, rh, rw])
 
@@ -149,14 +155,14 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
 
 
 class PaddedCopy(Source):
-    """``src`` copied into its own layout grown by a zero halo of ``pad`` on h and w: the
-    ``stage`` spatial padding, a stage of the kernel (``src_padded``) that writes the halo, so
+    """``src`` copied into its own layout grown by a zero halo of ``pad`` (per side) on h and w:
+    the ``stage`` spatial padding, a stage of the kernel (``src_padded``) that writes the halo, so
     the convolution reads the copy with no bounds checks. Where the source's tag blocks h or w
     (``nchW4w``), the halo is rounded up to whole blocks, as a layout's halo must be."""
 
     def __init__(self, src: Source, pad):
         lay = src.layout
-        halo = {d: (-(-p // b) * b,) * 2 for d, p, b in zip("hw", pad, lay.blocks[2:])}
+        halo = {d: tuple(-(-x // b) * b for x in p) for d, p, b in zip("hw", pad, lay.blocks[2:])}
         lay = Layout(lay.tag, lay.shape, lay.dtype, halo)
         super().__init__("src_padded", lay, "trusted", src.storage)
         self.src = src

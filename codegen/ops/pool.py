@@ -3,10 +3,16 @@
     dst[n, c, oh, ow] = max / avg over (kh, kw) of src[n, c, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]
 
 A window cell outside the image reads the value the reduction needs: -inf for the max, 0 for
-the sum. The average divides by the whole window (``exclude_pad = false``, oneDNN's
-``pooling_avg_include_padding``) or by the cells inside the image (``exclude_pad = true``,
-``pooling_avg_exclude_padding``). ``stride`` defaults to the kernel, ``dilation`` 1 is a dense
-window (PyTorch's convention).
+the sum. The average divides by the window's cells inside the padded image (``exclude_pad =
+false``, oneDNN's ``pooling_avg_include_padding``, ONNX's ``count_include_pad = 1``) or by those
+inside the image (``exclude_pad = true``, ``pooling_avg_exclude_padding``). ``stride`` defaults
+to the kernel, ``dilation`` 1 is a dense window (PyTorch's convention). ``pad`` is one integer,
+``[h, w]`` or per side ``[[top, bottom], [left, right]]`` (as conv2d's).
+
+``ceil_mode`` (PyTorch's and ONNX's) rounds the output size up, so a last window may hang over
+the bottom/right padding (its cells there count for neither average), except that no window
+starts past the padded image's top/left part: one that would is dropped, as PyTorch and ONNX
+Runtime do.
 
 Channels are not reduced over, so source padding is read only to compute destination padding
 under the ``full`` plan. There the max reads -inf (the guard's value) and the average reads the
@@ -20,44 +26,56 @@ import math
 from tvm import te, tirx
 
 from blockpad.errors import SpecError
+from blockpad.layout import pad_sides, pad_sides_param, window_out_size
 
 from .common import OpDef, Source, int_pair, materialize, plan_for
 
 PARAMS = {"algorithm": "max", "kernel": [2, 2], "stride": None, "pad": [0, 0],
-          "dilation": [1, 1], "exclude_pad": True}
+          "dilation": [1, 1], "exclude_pad": True, "ceil_mode": False}
+GEOMETRY = ("kernel", "stride", "pad", "dilation", "ceil_mode")
 
 
-def geometry(shape, kernel, stride, pad, dilation):
-    """``(kernel, stride, pad, dilation, out)`` pairs, checked: every window holds a cell of
-    the image (else its average has no cells to divide by)."""
+def geometry(shape, kernel, stride, pad, dilation, ceil_mode=False):
+    """``(kernel, stride, pad, dilation, out)``, checked: every window holds a cell of the
+    image (else its average has no cells to divide by); ``pad`` as ``((top, bottom), (left,
+    right))``."""
     if len(shape) != 4:
         raise SpecError(f"pool: shape is the source's (N, C, H, W); got {list(shape)}")
-    kernel, pad = int_pair("pool", kernel, "kernel", 1), int_pair("pool", pad, "pad", 0)
+    if not isinstance(ceil_mode, bool):
+        raise SpecError(f"pool: ceil_mode must be true or false; got {ceil_mode!r}")
+    kernel, pad = int_pair("pool", kernel, "kernel", 1), pad_sides(pad)
     dilation = int_pair("pool", dilation, "dilation", 1)
     stride = kernel if stride is None else int_pair("pool", stride, "stride", 1)
-    out = tuple((n + 2 * p - d * (k - 1) - 1) // s + 1
+    out = tuple(window_out_size(n, k, s, p, d, ceil_mode)
                 for n, k, s, p, d in zip(shape[2:], kernel, stride, pad, dilation))
     for n, k, s, p, d, o in zip(shape[2:], kernel, stride, pad, dilation, out):
-        if o < 1 or any(_cells(i * s - p, k, d, n) == 0 for i in range(o)):
+        if o < 1 or any(_cells(i * s - p[0], k, d, 0, n) == 0 for i in range(o)):
             raise SpecError(f"pool: kernel {list(kernel)} (dilation {list(dilation)}) with pad "
-                            f"{list(pad)} has windows outside the {shape[2]}x{shape[3]} image")
+                            f"{pad_sides_param(pad)} has windows outside the "
+                            f"{shape[2]}x{shape[3]} image")
     return kernel, stride, pad, dilation, out
 
 
 def signature(shape, dtype, params):
-    *_, out = geometry(shape, *(params[p] for p in ("kernel", "stride", "pad", "dilation")))
+    *_, out = geometry(shape, *(params[p] for p in GEOMETRY))
     return {"src": (tuple(shape), dtype), "dst": ((*shape[:2], *out), dtype)}
 
 
 def make(layouts, name, policy, algorithm="max", kernel=(2, 2), stride=None, pad=(0, 0),
-         dilation=(1, 1), exclude_pad=True):
+         dilation=(1, 1), exclude_pad=True, ceil_mode=False):
     if algorithm not in ("max", "avg"):
         raise SpecError(f"pool algorithm: expected 'max' or 'avg'; got {algorithm!r}")
     src, dst = layouts["src"], layouts["dst"]
     if src.dtype != "float32":
         raise SpecError(f"pool: dtype must be float32; got {src.dtype}")
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw), _ = geometry(src.shape, kernel, stride, pad, dilation)
+    (kh, kw), (sh, sw), pad, (dh, dw), out = geometry(src.shape, kernel, stride, pad, dilation,
+                                                      ceil_mode)
+    (ph, pb), (pw, pr) = pad
     h, w = src.shape[2:]
+    # the padded image's cells each window covers: the whole window unless ceil_mode lets the
+    # last one hang over the bottom/right padding
+    whole = all((o - 1) * s - p[0] + d * (k - 1) < n + p[1] for n, k, s, p, d, o in
+                zip((h, w), (kh, kw), (sh, sw), pad, (dh, dw), out))
 
     def opdef(mode):
         x = Source("src", src, mode)
@@ -71,14 +89,18 @@ def make(layouts, name, policy, algorithm="max", kernel=(2, 2), stride=None, pad
 
         def average(total, idx):
             _, _, oh, ow = idx
-            if not exclude_pad:
+            if not exclude_pad and whole:
                 return total * tirx.const(1 / (kh * kw), "float32")
-            cells = _cells(oh * sh - ph, kh, dh, h) * _cells(ow * sw - pw, kw, dw, w)
+            lo_h, hi_h, lo_w, hi_w = (-ph, h + pb, -pw, w + pr) if not exclude_pad else \
+                (0, h, 0, w)
+            cells = _cells(oh * sh - ph, kh, dh, lo_h, hi_h) * \
+                _cells(ow * sw - pw, kw, dw, lo_w, hi_w)
             # at least 1: a destination halo's window lies outside the image (its sum is 0)
             return total / tirx.max(cells, 1).astype("float32")
 
         params = {"algorithm": algorithm, "kernel": [kh, kw], "stride": [sh, sw],
-                  "pad": [ph, pw], "dilation": [dh, dw], "exclude_pad": bool(exclude_pad)}
+                  "pad": pad_sides_param(pad), "dilation": [dh, dw],
+                  "exclude_pad": bool(exclude_pad), "ceil_mode": ceil_mode}
         return OpDef("pool", [x], value, reduce=True,
                      epilogue=average if algorithm == "avg" else None,
                      params=params, axes=[rh, rw])
@@ -87,11 +109,11 @@ def make(layouts, name, policy, algorithm="max", kernel=(2, 2), stride=None, pad
     return materialize(opdef(p.reads), dst, p, name)
 
 
-def _cells(start, k, d, n):
-    """How many of the ``k`` taps ``start + i*d`` fall in ``[0, n)``: Python ints or TVM
+def _cells(start, k, d, lo, hi):
+    """How many of the ``k`` taps ``start + i*d`` fall in ``[lo, hi)``: Python ints or TVM
     expressions (``//`` is floor division on both)."""
     if isinstance(start, int):
-        return sum(0 <= start + i * d < n for i in range(k))
-    first = tirx.max(0, -(start // d))             # ceil(-start / d)
-    last = tirx.min(k - 1, (n - 1 - start) // d)
+        return sum(lo <= start + i * d < hi for i in range(k))
+    first = tirx.max(0, -((start - lo) // d))             # ceil((lo - start) / d)
+    last = tirx.min(k - 1, (hi - 1 - start) // d)
     return last - first + 1
