@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import binary, conv, eltwise, matmul, postops, pool, softmax
+from . import binary, concat, conv, eltwise, matmul, postops, pool, softmax
 from .reorder import reorder, zero_pad
 
 
@@ -46,4 +46,5 @@ OPS = {
                  postops.DEFAULT_TAGS),
     "softmax": Op(("src", "dst"), softmax.make, softmax.PARAMS, inplace="src"),
     "pool": Op(("src", "dst"), pool.make, pool.PARAMS, pool.signature),
+    "concat": Op(concat.TENSORS, concat.make, concat.PARAMS, concat.signature),
 }
