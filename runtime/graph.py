@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from blockpad.errors import ArgumentError
-from blockpad.layout import Layout, dtype_name, numpy_dtype
+from blockpad.layout import Layout, dtype_name, numpy_dtype, pad_sides
 
 from . import counters
 from .cache import KernelCache, Request, default_cache
@@ -410,7 +410,8 @@ class Graph:
     def conv2d(self, x, weights, bias=None, stride=1, pad=0, dilation=1, groups=1,
                post_ops=(), sum=None, name=None, out=None) -> Tensor:  # noqa: A002 (oneDNN's)
         """2-D convolution, NCHW source, OIHW weights (``groups`` > 1: O x I/groups x H x W).
-        ``pad``: symmetric, an int or (h, w). ``post_ops``: oneDNN's chain
+        ``pad``: symmetric, an int or (h, w), or per side ((top, bottom), (left, right)).
+        ``post_ops``: oneDNN's chain
         fused into the kernel, e.g. ``["bias", "relu"]`` or dicts ``{"kind": "eltwise",
         "algorithm": "relu"}``, ``{"kind": "sum", "scale": 1.0}`` (reads ``sum``). A ``bias``
         given without a chain is applied first; a ``sum`` tensor has no such default place in
@@ -428,10 +429,70 @@ class Graph:
                                 "applies, e.g. post_ops=['sum', 'relu']")
         inputs = [x, weights] + ([bias] if bias is not None else []) + \
             ([sum] if sum is not None else [])
-        attrs = {"stride": _pair(stride), "pad": _pair(pad), "dilation": _pair(dilation),
+        attrs = {"stride": _pair(stride), "pad": pad_sides(pad), "dilation": _pair(dilation),
                  "groups": int(groups), "post_ops": chain, "bias": bias is not None,
                  "sum": sum is not None}
         return self.add_op("conv2d", inputs, attrs, name, _outs(out))
+
+    def pool(self, x, algorithm="max", kernel=2, stride=None, pad=0, dilation=1,
+             exclude_pad=True, ceil_mode=False, name=None, out=None) -> Tensor:
+        """Max or average pooling (``algorithm``), the kernels' parameters: ``pad`` symmetric
+        or per side ``((top, bottom), (left, right))``; ``stride`` defaults to the window;
+        ``exclude_pad``: the average divides by the cells in the image, else by those in the
+        padded image; ``ceil_mode``: PyTorch's and ONNX's."""
+        if algorithm not in ("max", "avg"):
+            raise ArgumentError(f"pool algorithm: expected 'max' or 'avg'; got {algorithm!r}")
+        kernel = _pair(kernel)
+        attrs = {"algorithm": algorithm, "kernel": kernel,
+                 "stride": _pair(stride) if stride is not None else kernel,
+                 "pad": pad_sides(pad), "dilation": _pair(dilation),
+                 "exclude_pad": bool(exclude_pad), "ceil_mode": bool(ceil_mode)}
+        return self.add_op("pool", [x], attrs, name, _outs(out))
+
+    def global_avg_pool(self, x, name=None, out=None) -> Tensor:
+        """The mean over H and W (a classifier's global average pooling): one window."""
+        shape = self._types[self._var(x)][0]
+        if len(shape) != 4:
+            raise ArgumentError(f"global_avg_pool takes an NCHW value; got {shape}")
+        return self.pool(x, "avg", shape[2:], name=name, out=out)
+
+    def matmul(self, x, weights, bias=None, post_ops=(), name=None, out=None) -> Tensor:
+        """``x (M, K) @ weights (K, N)`` (+ ``bias`` (N,)), with a post-op chain as conv2d's
+        (``bias`` and eltwise kinds)."""
+        chain = [_post_op(p) for p in post_ops]
+        if bias is not None and not any(p["kind"] == "bias" for p in chain):
+            chain.insert(0, {"kind": "bias"})
+        if any(p["kind"] == "sum" for p in chain):
+            raise ArgumentError("matmul: the graph's matmul takes bias and eltwise post-ops")
+        if any(p["kind"] == "bias" for p in chain) and bias is None:
+            raise ArgumentError("matmul: a 'bias' post-op needs the bias tensor")
+        inputs = [x, weights] + ([bias] if bias is not None else [])
+        return self.add_op("matmul", inputs, {"post_ops": chain, "bias": bias is not None},
+                           name, _outs(out))
+
+    def reshape(self, x, shape, name=None, out=None) -> Tensor:
+        """The same elements in ``shape`` (one -1 is inferred): no copy when the input has no
+        other reader."""
+        old = self._types[self._var(x)][0]
+        shape = [int(s) for s in shape]
+        if shape.count(-1) == 1:
+            rest = math.prod(s for s in shape if s != -1)
+            shape[shape.index(-1)] = math.prod(old) // rest if rest else 0
+        return self.add_op("reshape", [x], {"shape": tuple(shape)}, name, _outs(out))
+
+    def flatten(self, x, axis=1, name=None, out=None) -> Tensor:
+        """(prod of dims before ``axis``, prod of the rest): a classifier head's flatten."""
+        shape = self._types[self._var(x)][0]
+        return self.reshape(x, (math.prod(shape[:axis]), math.prod(shape[axis:])), name, out)
+
+    def concat(self, inputs, axis=1, name=None, out=None) -> Tensor:
+        """Concatenation along ``axis`` (channels by default), kept blocked on blocked inputs
+        whatever the channel offsets."""
+        inputs = list(inputs)
+        rank = len(self._types[self._var(inputs[0])][0])
+        if not -rank <= axis < rank:
+            raise ArgumentError(f"concat axis {axis}: the inputs have {rank} dims")
+        return self.add_op("concat", inputs, {"axis": axis % rank}, name, _outs(out))
 
     def custom(self, fn, inputs, outputs, name=None, output_names=None, out=None):
         """An op blockpad has no kernel for: ``fn(*arrays)`` on plain numpy arrays returns one
@@ -485,6 +546,15 @@ class Graph:
             method(*ins, name=name, out=outs[0], **entry)
         g.output(*outputs)
         return g
+
+    @classmethod
+    def from_onnx(cls, model, input_shapes=None, **options) -> Graph:
+        """The graph of an ONNX inference model (a path, bytes or ``onnx.ModelProto``; opset
+        13+), inputs and outputs named as the model's: see ``blockpad.onnx``. Needs the
+        ``onnx`` package; ``options`` are the Graph's."""
+        from blockpad.onnx import from_onnx
+
+        return from_onnx(model, input_shapes, **options)
 
     # ---- planning -----------------------------------------------------------------------------
     def conv_blocks(self, c_in, c_out, groups):
@@ -836,6 +906,8 @@ class Plan:
             lay = picked.outputs[j]
             if inplace and j == 0 and in_bufs[node.inplace].layout == lay:
                 buf = in_bufs[node.inplace]
+            elif inplace and j == 0 and info.alias:     # the same bytes in another shape
+                buf = self._buf(in_bufs[node.inplace].storage, lay)
             else:
                 if inplace and j == 0:
                     inplace = False
@@ -846,6 +918,8 @@ class Plan:
             env[oname] = v
             defs[node.orig_outputs[j]] = v
             out_bufs.append(buf)
+        if inplace and info.alias:
+            return                                      # nothing runs
         if kernel is not None:
             args = [in_bufs[i] if kind == "in" else out_bufs[i] for kind, i in picked.args]
             if inplace:

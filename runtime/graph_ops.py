@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blockpad.errors import ArgumentError
-from blockpad.layout import Layout
+from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
 
 from .cache import Request
 
@@ -60,6 +60,7 @@ class Candidate:
 class OpInfo:
     name = "op"
     inplace_capable = False
+    alias = False        # run in place, its output is its input's bytes seen in another shape
 
     def infer(self, node, types):
         """[(shape, dtype)] of the outputs, from the inputs' (shape, dtype)."""
@@ -233,18 +234,19 @@ class Softmax(OpInfo):
 # ---- convolution ------------------------------------------------------------------------------
 
 def conv_out_shape(src, channels, kernel, stride, pad, dilation):
+    """``pad``: anything ``layout.pad_sides`` takes (symmetric pairs or per side)."""
     n, _, h, w = src
-    return (n, channels) + tuple((x + 2 * p - d * (r - 1) - 1) // s + 1 for x, p, d, r, s in
-                                 zip((h, w), pad, dilation, kernel, stride))
+    return (n, channels) + tuple(window_out_size(x, r, s, p, d) for x, p, d, r, s in
+                                 zip((h, w), pad_sides(pad), dilation, kernel, stride))
 
 
 def conv_ref(x, w, bias=None, stride=(1, 1), pad=(0, 0), dilation=(1, 1), groups=1,
              post_ops=(), sum_input=None):
-    """Direct convolution in float64 (NCHW source, (K, C/groups, KH, KW) weights), then the
-    post-op chain in order."""
+    """Direct convolution in float64 (NCHW source, (K, C/groups, KH, KW) weights, ``pad``
+    symmetric or per side), then the post-op chain in order."""
     x, w = x.astype(np.float64), w.astype(np.float64)
     k, cg, kh, kw = w.shape
-    xp = np.pad(x, ((0, 0), (0, 0), (pad[0], pad[0]), (pad[1], pad[1])))
+    xp = np.pad(x, ((0, 0), (0, 0), *pad_sides(pad)))
     oh = (xp.shape[2] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     ow = (xp.shape[3] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     out = np.zeros((x.shape[0], k, oh, ow))
@@ -307,7 +309,7 @@ class Conv2d(OpInfo):
         names = ["src", "weights"] + (["bias"] if a["bias"] else []) + \
             (["sum"] if a["sum"] else []) + ["dst"]
         params = {"channels": int(w[0]), "kernel": list(w[2:]), "stride": list(a["stride"]),
-                  "pad": list(a["pad"]), "dilation": list(a["dilation"]),
+                  "pad": pad_sides_param(a["pad"]), "dilation": list(a["dilation"]),
                   "groups": int(a["groups"]), "post_ops": [dict(p) for p in a["post_ops"]]}
         return Request.make("conv2d", list(zip(names, lays)), params, graph.policy, shape=src,
                             dtype=dt)
@@ -354,6 +356,193 @@ class Conv2d(OpInfo):
                          a["post_ops"], summ)]
 
 
+# ---- pooling ----------------------------------------------------------------------------------
+
+def pool_ref(x, algorithm="max", kernel=(2, 2), stride=None, pad=0, dilation=(1, 1),
+             exclude_pad=True, ceil_mode=False):
+    """Pooling in float64 with codegen/ops/pool.py's semantics (per-side pads, ceil_mode, the
+    average over the cells in the image or in the padded image)."""
+    x = x.astype(np.float64)
+    stride = stride or kernel
+    pad = pad_sides(pad)
+    out = [window_out_size(n, k, s, p, d, ceil_mode)
+           for n, k, s, p, d in zip(x.shape[2:], kernel, stride, pad, dilation)]
+    span = [(o - 1) * s + d * (k - 1) + 1 for o, s, d, k in zip(out, stride, dilation, kernel)]
+    # a frame around the image, NaN where no cell is (beyond the padding), wide enough for
+    # every window: the padding itself is -inf (max) or 0 (sum), and counted when included
+    far = [max(0, sp - p[0] - n - p[1]) for sp, p, n in zip(span, pad, x.shape[2:])]
+    fill = -np.inf if algorithm == "max" else 0.0
+    xp = np.pad(x, ((0, 0), (0, 0), *pad), constant_values=fill)
+    xp = np.pad(xp, ((0, 0), (0, 0), (0, far[0]), (0, far[1])), constant_values=np.nan)
+    inside = np.pad(np.ones(x.shape[2:]), pad)
+    inside = np.pad(inside if exclude_pad else np.ones_like(inside), ((0, far[0]), (0, far[1])))
+    taps, cells = [], 0
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            sl = (slice(i * dilation[0], i * dilation[0] + (out[0] - 1) * stride[0] + 1,
+                        stride[0]),
+                  slice(j * dilation[1], j * dilation[1] + (out[1] - 1) * stride[1] + 1,
+                        stride[1]))
+            taps.append(xp[(slice(None), slice(None)) + sl])
+            cells = cells + inside[sl]
+    taps = np.stack(taps)
+    if algorithm == "max":
+        return np.nanmax(taps, axis=0)
+    return np.nansum(taps, axis=0) / cells
+
+
+class Pool(OpInfo):
+    """Max or average pooling with codegen/ops/pool.py's parameters; follows its input's
+    layout."""
+
+    name = "pool"
+
+    def infer(self, node, types):
+        (shape, dt), = types
+        a = node.attrs
+        if len(shape) != 4:
+            raise ArgumentError(f"{node.name}: pooling takes an NCHW source; got {shape}")
+        out = tuple(window_out_size(n, k, s, p, d, a["ceil_mode"]) for n, k, s, p, d in
+                    zip(shape[2:], a["kernel"], a["stride"], a["pad"], a["dilation"]))
+        if min(out) < 1:
+            raise ArgumentError(f"{node.name}: the window {a['kernel']} does not fit the padded "
+                                f"image {shape[2:]}")
+        return [((*shape[:2], *out), dt)]
+
+    def _params(self, node):
+        a = node.attrs
+        return {"algorithm": a["algorithm"], "kernel": list(a["kernel"]),
+                "stride": list(a["stride"]), "pad": pad_sides_param(a["pad"]),
+                "dilation": list(a["dilation"]), "exclude_pad": bool(a["exclude_pad"]),
+                "ceil_mode": bool(a["ceil_mode"])}
+
+    def choices(self, node, types, homes, graph):
+        (shape, dt), = types
+        out_shape = self.infer(node, types)[0][0]
+        out = []
+        for lay in _follow(homes[0]):
+            d = Layout(lay.tag, out_shape, dt) if not lay.is_plain else plain(out_shape, dt)
+            out.append(Candidate([lay], [d], lambda inplace, lay=lay, d=d: Request.make(
+                "pool", [("src", lay), ("dst", d)], self._params(node), graph.policy),
+                [("in", 0), ("out", 0)], "plain" if lay.is_plain else "blocked"))
+        return out
+
+    def reference(self, node, arrays):
+        return [pool_ref(arrays[0], **self._params(node))]
+
+
+# ---- matmul -----------------------------------------------------------------------------------
+
+class Matmul(OpInfo):
+    """``(M, K) x (K, N)`` (+ bias (N,) and post-ops): an inner product, a classifier head.
+    Blocked: weights packed ``Ba16b`` (K x 16 column panels, what the x86 kernel streams)."""
+
+    name = "matmul"
+
+    def infer(self, node, types):
+        (src, dt), (w, wdt) = types[:2]
+        if len(src) != 2 or len(w) != 2 or src[1] != w[0]:
+            raise ArgumentError(f"{node.name}: matmul takes (M, K) and (K, N); got {src} and {w}")
+        if wdt != dt or dt not in ("float32", "float64", "float16"):
+            raise ArgumentError(f"{node.name}: graph matmuls are floating point with weights "
+                                f"of the source's dtype; got {dt} and {wdt}")
+        if node.attrs["bias"] and tuple(types[2][0]) != (w[1],):
+            raise ArgumentError(f"{node.name}: bias must be ({w[1]},); got {types[2][0]}")
+        return [((src[0], w[1]), dt)]
+
+    def choices(self, node, types, homes, graph):
+        (src, dt), (w, _) = types[:2]
+        out_shape = self.infer(node, types)[0][0]
+        names = ["src", "weights"] + (["bias"] if node.attrs["bias"] else []) + ["dst"]
+        args = [("in", i) for i in range(len(types))] + [("out", 0)]
+        out = []
+        for wtag in ([] if graph.layouts == "plain" else ["Ba16b"]) + ["ab"]:
+            lays = [plain(src, dt), Layout(wtag, w, dt)] + \
+                [plain(t[0], t[1]) for t in types[2:]] + [plain(out_shape, dt)]
+            out.append(Candidate(lays[:-1], lays[-1:], lambda inplace, lays=lays: Request.make(
+                "matmul", list(zip(names, lays)), {"n": int(w[1]),
+                                                   "post_ops": node.attrs["post_ops"]},
+                graph.policy), args, "blocked" if wtag != "ab" else "plain"))
+        return out
+
+    def reference(self, node, arrays):
+        x, w, *rest = (a.astype(np.float64) for a in arrays)
+        out = x @ w
+        for p in node.attrs["post_ops"]:
+            if p["kind"] == "bias":
+                out = out + rest[0]
+            else:
+                out = eltwise_ref(out, p["algorithm"], p["alpha"], p["beta"])
+        return [out]
+
+
+# ---- reshape and concat -----------------------------------------------------------------------
+
+class Reshape(OpInfo):
+    """The same elements, another shape (a classifier head's flatten). Run "in place" it is an
+    alias of its input's plain bytes (no copy); the in-place pass decides when it may be (no
+    other reader of the input), else a copy."""
+
+    name = "reshape"
+    inplace_capable = True
+    alias = True
+
+    def infer(self, node, types):
+        (shape, dt), = types
+        new = tuple(node.attrs["shape"])
+        if math.prod(new) != math.prod(shape):
+            raise ArgumentError(f"{node.name}: cannot reshape {shape} ({math.prod(shape)} "
+                                f"elements) to {new}")
+        return [(new, dt)]
+
+    def inplace_inputs(self, node, types):
+        return [0]
+
+    def choices(self, node, types, homes, graph):
+        (shape, dt), = types
+        return [Candidate([plain(shape, dt)], [plain(node.attrs["shape"], dt)], None, [], "plain")]
+
+    def reference(self, node, arrays):
+        return [arrays[0].reshape(node.attrs["shape"])]
+
+
+class Concat(OpInfo):
+    """Concatenation along ``axis`` (codegen/ops/concat.py). Channel concat of blocked values
+    stays blocked whatever the channel offsets (the kernel reads each lane's source)."""
+
+    name = "concat"
+
+    def infer(self, node, types):
+        axis = node.attrs["axis"]
+        (s0, dt) = types[0]
+        for s, d in types[1:]:
+            if d != dt or len(s) != len(s0) or \
+                    any(a != b for i, (a, b) in enumerate(zip(s, s0)) if i != axis):
+                raise ArgumentError(f"{node.name}: concat along axis {axis} needs one dtype and "
+                                    f"equal other dims; got {s0} {dt} and {s} {d}")
+        return [((*s0[:axis], sum(s[axis] for s, _ in types), *s0[axis + 1:]), dt)]
+
+    def choices(self, node, types, homes, graph):
+        axis = node.attrs["axis"]
+        out_shape, dt = self.infer(node, types)[0]
+        lead = next((h for h in homes if not h.is_plain), None)
+        tags = ([lead.tag] if lead is not None and graph.layouts == "blocked" else []) + [None]
+        names = [f"src{i}" for i in range(len(types))] + ["dst"]
+        args = [("in", i) for i in range(len(types))] + [("out", 0)]
+        out = []
+        for tag in tags:
+            lays = [Layout(tag, s, dt) if tag else plain(s, dt) for s, _ in types] + \
+                [Layout(tag, out_shape, dt) if tag else plain(out_shape, dt)]
+            out.append(Candidate(lays[:-1], lays[-1:], lambda inplace, lays=lays: Request.make(
+                "concat", list(zip(names, lays)),
+                {"axis": axis, "sizes": [int(s[axis]) for s, _ in types]}, graph.policy),
+                args, "plain" if tag is None else "blocked"))
+        return out
+
+    def reference(self, node, arrays):
+        return [np.concatenate(arrays, axis=node.attrs["axis"])]
+
+
 # ---- custom numpy ops -------------------------------------------------------------------------
 
 class Custom(OpInfo):
@@ -375,4 +564,5 @@ class Custom(OpInfo):
 
 
 GRAPH_OPS = {"eltwise": Eltwise(), "binary": Binary(), "softmax": Softmax(), "conv2d": Conv2d(),
-       "custom": Custom()}
+             "pool": Pool(), "matmul": Matmul(), "reshape": Reshape(), "concat": Concat(),
+             "custom": Custom()}

@@ -19,8 +19,7 @@ from tvm import tirx
 
 from blockpad.errors import SpecError
 
-from ..policy import plan
-from .common import OpDef, Source, materialize, propagates_zero
+from .common import OpDef, Source, materialize, plan_for
 
 MAX_INPUTS = 64
 TENSORS = (*(f"src{i}" for i in range(MAX_INPUTS)), "dst")
@@ -61,5 +60,5 @@ def make(layouts, name, policy, axis=1, sizes=None):
 
         return OpDef("concat", srcs, value, params={"axis": axis, "sizes": list(sizes)})
 
-    p = plan(policy, propagates_zero(opdef("trusted"), dst), reduces_over_padding=False)
+    p = plan_for(policy, opdef("trusted"), dst)
     return materialize(opdef(p.reads), dst, p, name)
