@@ -33,8 +33,12 @@ Planning (once per set of input layouts) runs the passes:
 
 Padding policy: every memory the graph makes follows the graph's policy (its kernels are built
 or picked for it): a buffer is given to its memory (``set_data_handle``) when its producer is
-about to write it, so ``on_handle``/``user`` zero-pad there, and ``tracked`` zero-pads only where
-a consumer needs clean padding that its producer did not leave.
+about to write it, so ``on_handle`` zero-pads there, and ``tracked`` zero-pads only where a
+consumer needs clean padding that its producer did not leave. ``user`` is seed 001's option
+B/C: the graph tells each ``set_data_handle`` whether the buffer is clean (an arena buffer
+whose zeros an earlier run left and nothing overwrote since), the caller says which inputs are
+(``run(..., clean=["x"])``), and the zero-pads that remain go on ``run(..., stream=)``,
+asynchronously.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from blockpad.layout import Layout, dtype_name, numpy_dtype, pad_sides
 from . import counters
 from .cache import KernelCache, Request, default_cache
 from .graph_ops import ELTWISE, GRAPH_OPS, plain
-from .memory import CLEAN, Memory, aligned_empty
+from .memory import CLEAN, UNKNOWN, Memory, aligned_empty
 from .padding import zero_pad
 from .passes import InplaceResult, Node, fuse_post_ops, inplace_pass
 
@@ -606,14 +610,30 @@ class Graph:
             return plan
 
     # ---- running ------------------------------------------------------------------------------
-    def run(self, inputs=None, **kw) -> Results:
+    def run(self, inputs=None, *, clean=(), stream=None, **kw) -> Results:
         """Run on ``inputs`` ({name: numpy array or Memory}, or keywords); return the results,
-        each held in its producer's layout until read."""
+        each held in its producer's layout until read.
+
+        ``clean``: names of Memory inputs whose padding the caller knows is zero (their state
+        may say ``unknown``): they are not zero-padded. ``stream`` (``user`` policy only, seed
+        001 option B): the zero-pads the run needs at set_data_handle time (inputs not known
+        clean, buffers whose padding the graph cannot vouch for) go on it, asynchronously;
+        each kernel waits only for its own arguments' zero-pads."""
         given = dict(inputs or {}, **kw)
+        clean = (clean,) if isinstance(clean, str) else tuple(clean)
+        unknown = [n for n in clean if n not in self.inputs]
+        if unknown:
+            raise ArgumentError(f"{self.name}: clean= names inputs; {unknown} are not inputs "
+                                f"(inputs: {', '.join(self.inputs) or 'none'})")
+        if stream is not None and self.policy != "user":
+            raise ArgumentError(f"{self.name}: stream= queues the user policy's zero-pads "
+                                f"(set_data_handle's stream); this graph's policy is "
+                                f"{self.policy!r}")
         before_cache = self.cache.stats()
         start = time.perf_counter()
         plan = self._plan_for(self._input_layouts(given))
-        return plan.run(given, before_cache, time.perf_counter() - start)
+        return plan.run(given, before_cache, time.perf_counter() - start, frozenset(clean),
+                        stream)
 
     def __call__(self, inputs=None, **kw):
         """Run and return the results as numpy arrays (one array for one output)."""
@@ -1014,7 +1034,8 @@ class Plan:
         with self._pool_lock:
             self._pool.append(exe)
 
-    def run(self, given, before_cache, plan_seconds=0.0) -> Results:
+    def run(self, given, before_cache, plan_seconds=0.0, clean=frozenset(),
+            stream=None) -> Results:
         g = self.graph
         report = Report(self.policy, plan_seconds=plan_seconds)
         start = time.perf_counter()
@@ -1025,7 +1046,7 @@ class Plan:
                 weights[buf.id] = g._prepare_weight(cname, buf.layout, report)
             exe = self._acquire()
             try:
-                outs = exe.run(given, weights, report)
+                outs = exe.run(given, weights, report, clean, stream)
             finally:
                 self._release(exe)
         report.zero_pad_calls = zp.calls
@@ -1104,6 +1125,12 @@ class _Execution:
                 self.mems[b.id] = self.mems[first[key]]
             else:
                 first[key] = b.id
+        # the memories of each arena slot: binding one storage overwrites the others' bytes
+        self._slot_mems = {}
+        for b in plan._bufs:
+            if b.storage.kind == "arena" and b.layout.has_padding:
+                self._slot_mems.setdefault(b.storage.slot, set()).add(self.mems[b.id])
+        self.stream = None
         self.calls = []
         self._bound = False
 
@@ -1115,7 +1142,7 @@ class _Execution:
                 if s.kind in ("arena", "output"):
                     for b in s.bufs:
                         if b.layout.has_padding:
-                            calls.append(self._binder(self.mems[b.id]))
+                            calls.append(self._binder(b))
             if st.kernel is not None:
                 calls.append(st.kernel.bind(*(self.mems[b.id] for b in st.args)))
             elif st.kind == "reorder":
@@ -1126,15 +1153,28 @@ class _Execution:
         self.calls = calls
         self._bound = True
 
-    @staticmethod
-    def _binder(mem):
+    def _binder(self, b):
+        """The policy's work at "memory creation" for the buffer ``b`` its producer is about
+        to write. Under ``user`` the graph says what it knows, as seed 001 asks of a user:
+        ``clean`` when the memory's padding is still the zeros an earlier run left (kernels
+        preserve padding there; binding another storage of the slot makes it unknown), and
+        the zero-pad of one that is not goes on the run's stream, if it has one."""
+        mem = self.mems[b.id]
+        user = self.plan.policy == "user"
+        others = [m for m in self._slot_mems.get(b.storage.slot, ()) if m is not mem] \
+            if b.storage.kind == "arena" else []
+
         def bind():
-            mem.set_data_handle(mem.buffer)   # the policy's work at "memory creation"
+            for m in others:
+                m.state = UNKNOWN
+            mem.set_data_handle(mem.buffer, clean=user and mem.state == CLEAN,
+                                stream=self.stream)
         return bind
 
     @staticmethod
     def _np_reorder(src, dst):
         def run():
+            dst.wait()
             dst.buffer[dst.layout.logical_offsets()] = src.to_numpy()
             if dst.layout.has_padding:
                 dst.buffer[dst.layout.padding_offsets()] = 0
@@ -1147,6 +1187,8 @@ class _Execution:
         outs = [self.mems[b.id] for b in st.writes]
 
         def run():
+            for m in ins + outs:
+                m.wait()
             arrays = [_plain_view(m) for m in ins]
             results = info.reference(st.node, arrays)
             if len(results) != len(outs):
@@ -1161,15 +1203,22 @@ class _Execution:
                 m.state = CLEAN
         return run
 
-    def run(self, given, weights, report):
+    def run(self, given, weights, report, clean=frozenset(), stream=None):
         plan = self.plan
+        self.stream = stream
         for b in plan._bufs:
             s = b.storage
             mem = self.mems[b.id]
             if s.kind == "input":
                 value = given[s.value]
                 mem.buffer, mem.state = _input_buffer(value, b.layout)
-                if mem.state != CLEAN and plan.policy not in ("tracked", "src"):
+                if s.value in clean:
+                    mem.state = CLEAN          # the caller vouches for its padding
+                if mem.state != CLEAN and plan.policy == "user" and stream is not None:
+                    # set_data_handle(buf, clean=False, stream): zeroed on the stream; the
+                    # kernels reading it wait for that (a read-only buffer is copied there)
+                    mem.set_data_handle(mem.buffer, stream=stream)
+                elif mem.state != CLEAN and plan.policy not in ("tracked", "src"):
                     # the caller's memory has padding of unknown content: the policy's kernels
                     # trust it clean, so zero it now (a read-only buffer is copied, not written)
                     zero_pad(mem, blocking=True)
@@ -1185,10 +1234,13 @@ class _Execution:
                 if b is s.bufs[0]:
                     fresh = aligned_empty(s.nbytes, np.uint8)
                 mem.buffer = fresh[:b.layout.nbytes].view(numpy_dtype(b.layout.dtype))
+                mem.state = UNKNOWN                 # a new buffer: its padding is anything
         if not self._bound:
             self._bind(weights)
         for call in self.calls:
             call()
+        for mem in self.mems.values():
+            mem.wait()       # a zero-pad on the stream that no kernel waited for (none expected)
         report.kernels = sum(1 for s in plan.steps if s.kernel is not None)
         report.reorders = sum(1 for s in plan.steps if s.kind == "reorder")
         outs = {}

@@ -655,3 +655,44 @@ def test_report_separates_planning_and_compiling_from_running(cache, rng):
         assert r.run_seconds > 0
         assert "planning and compiling" in str(r)
     assert again.plan_seconds < first.plan_seconds      # the plan was made once
+
+
+# ---- the user policy in a graph: clean= flags, a stream (seed 001 options B and C) -----------
+
+def _user_chain(cache, policy="user"):
+    """x -> sigmoid -> relu -> linear -> + x, not in place: a and d share an arena slot (a is
+    dead when d is made), b has one of its own, the result is a fresh buffer every run."""
+    g = bp.Graph(policy=policy, cache=cache, inplace=False)
+    x = g.input("x", S)
+    g.output(g.add(g.linear(g.relu(g.sigmoid(x)), 2.0, 1.0), x, name="out"))
+    return g
+
+
+def test_user_policy_graph_takes_clean_flags_and_a_stream(cache, rng):
+    xv = arr(rng, S)
+    packed = bp.Memory.from_numpy(xv, BLK).buffer
+    want = 2 * np.maximum(sigmoid(xv), 0) + 1 + xv
+
+    def run(g, **kw):
+        res = g.run(x=bp.Memory.from_buffer(packed, BLK), **kw)   # state unknown, every run
+        assert np.allclose(res["out"].numpy(), want, atol=1e-5)
+        return res.report
+
+    g = _user_chain(cache)
+    plan = g.plan(x=BLK)
+    slots = {s.label: s.writes[0].storage.slot for s in plan.steps}
+    assert slots["eltwise_0"] == slots["eltwise_2"] != slots["eltwise_1"]
+    first, again = run(g), run(g)
+    assert first.zero_pad_calls == 5          # x, the three intermediates, the result
+    assert again.zero_pad_calls == 4          # relu's buffer kept its zeros: said clean
+    assert run(g, clean=["x"]).zero_pad_calls == 3          # the caller vouches for x
+    stream = bp.Stream("graph")
+    queued = run(g, stream=stream)
+    assert queued.zero_pad_calls == 4 and queued.zero_pad_blocking == 0
+    assert again.zero_pad_blocking == 4
+    on_handle = _user_chain(cache, "on_handle")
+    assert run(on_handle).zero_pad_calls == run(on_handle).zero_pad_calls == 5   # every run
+    with pytest.raises(bp.ArgumentError, match="stream= queues the user policy"):
+        on_handle.run(x=xv, stream=stream)
+    with pytest.raises(bp.ArgumentError, match="clean= names inputs"):
+        g.run(x=xv, clean=["y"])
