@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockpad import manifest as mf
-from blockpad.errors import BlockpadError, BuildError
+from blockpad.errors import BlockpadError, BuildError, SpecError
 
 from . import tuning_records
 from .kernel import alias_inplace, make_inplace
 from .ops import OPS
-from .spec import Spec, load_spec
-from .targets import Target, get_target
+from .spec import Spec, as_spec
+from .targets import Target, check_toolchain, get_target
 
 @dataclass
 class BuildResult:
@@ -32,10 +32,11 @@ class BuildResult:
 
 def build(spec, target="host", out_dir="build", force=False, log=None,
           tuning_logs=None) -> BuildResult:
-    """Build ``spec`` (a path or a parsed Spec) for ``target`` into ``out_dir``, with the best
-    tuning record per kernel from ``tuning_logs`` (default: the packaged tuning_logs)."""
+    """Build ``spec`` (a TOML path, a dict shaped like the TOML, or a parsed Spec) for
+    ``target`` into ``out_dir``, with the best tuning record per kernel from ``tuning_logs``
+    (default: the packaged tuning_logs)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    spec = as_spec(spec)
     target = target if isinstance(target, Target) else get_target(target)
     tuning_logs = Path(tuning_logs) if tuning_logs is not None else tuning_records.default_dir()
     key = build_key(spec, target, tuning_logs)
@@ -45,18 +46,24 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
             f"build key {key[:12]}); nothing to do")
         return BuildResult(out_dir, mf.read(out_dir), rebuilt=False)
 
+    check_toolchain(target)
+
     import tvm
 
     from blockpad.schedules import schedule
 
     os.makedirs(out_dir, exist_ok=True)
     start = time.perf_counter()
-    kernels = []
+    kernels, failed, entry_of = [], Failures(spec), {}
     n = len(spec.kernels)
     for i, req in enumerate(spec.kernels, 1):
         t0 = time.perf_counter()
-        made = _generate(req.name, lambda: make_kernels(req))
+        made = failed.run(req, "code generation", lambda: make_kernels(req))
+        if made is None:
+            log(f"[{i}/{n}] {req.name}: FAILED")
+            continue
         kernels += made
+        entry_of.update((k.name, req) for k in made)
         extra = f" + {len(made) - 1} stage kernel" if len(made) > 1 else ""
         log(f"[{i}/{n}] {req.name}{extra}: generated ({time.perf_counter() - t0:.2f} s)")
     kernels += _runtime_zero_pads(kernels)
@@ -67,11 +74,16 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
         log(f"warning: {warning}")
     tvm_target = target.tvm_target()
     for k in kernels:
-        choice = _generate(k.name, lambda: logs.choose(k.name, k.func, tvm_target))
-        tuning[k.name] = choice.status
-        func = choice.func if choice.func is not None else \
-            _generate(k.name, lambda: schedule(k.func, target))
-        funcs[k.name] = alias_inplace(func, k)
+        req = entry_of.get(k.name)
+
+        def choose_and_schedule(k=k):
+            choice = logs.choose(k.name, k.func, tvm_target)
+            func = choice.func if choice.func is not None else schedule(k.func, target)
+            return choice.status, alias_inplace(func, k)
+        done = failed.run(req, "scheduling", choose_and_schedule, k.name)
+        if done is not None:
+            tuning[k.name], funcs[k.name] = done
+    failed.raise_any(target)
     log(f"scheduled {len(kernels)} kernels for {target.name} ({time.perf_counter() - t0:.2f} s)")
     _log_tuning(log, tuning, logs.dir)
     n = len(kernels)
@@ -164,13 +176,34 @@ def make_kernels(req):
     return kernels
 
 
-def _generate(name, make):
-    try:
-        return make()
-    except BlockpadError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a TVM failure is reported with the kernel's name
-        raise BuildError(f"{name}: code generation failed: {e}") from e
+class Failures:
+    """The kernels a build could not make, each named with its spec entry; the build goes on
+    to the next kernel, and raises one error listing them all at the end of the step (one bad
+    kernel does not hide the others)."""
+
+    def __init__(self, spec: Spec):
+        self.spec, self.messages, self.all_spec = spec, [], True
+
+    def run(self, req, step: str, make, kernel: str | None = None):
+        """``make()``, or None after recording why it failed."""
+        try:
+            return make()
+        except Exception as e:  # noqa: BLE001 - a TVM failure is reported with the kernel's name
+            self.all_spec &= isinstance(e, SpecError)
+            where = f"kernel #{req.entry} ({req.name})" if req else "runtime zero-pad kernel"
+            if kernel and (req is None or kernel != req.name):
+                where += f", its kernel {kernel}"
+            reason = str(e) if isinstance(e, BlockpadError) else f"{type(e).__name__}: {e}"
+            self.messages.append(f"{where}: {step} failed: {reason}")
+            return None
+
+    def raise_any(self, target: Target) -> None:
+        if not self.messages:
+            return
+        n = len(self.messages)
+        text = (f"{self.spec.name}: {n} of {len(self.spec.kernels)} spec kernels cannot be "
+                f"built for {target.name}:\n  " + "\n  ".join(self.messages))
+        raise (SpecError if self.all_spec else BuildError)(text)
 
 
 def _runtime_zero_pads(kernels):

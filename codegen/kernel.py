@@ -78,15 +78,20 @@ def make_inplace(kernel: KernelDef, source: str) -> KernelDef:
     src = next((a for a in kernel.args if a.name == source), None)
     if src is None or dst.role != "out":
         raise ValueError(f"{kernel.name}: no source {source!r} to compute in place over")
-    if src.layout != dst.layout or src.storage != dst.storage:
-        from blockpad.errors import SpecError
-
-        raise SpecError(f"{kernel.name}: in place needs {source} and dst in one layout; got "
-                        f"{src.layout} and {dst.layout}")
+    check_inplace(source, src.layout, dst.layout)
     args = [Arg(a.name, a.layout, "inout", a.storage) if a is src else a for a in kernel.args]
     params = {**kernel.params, "inplace": True}
     return KernelDef(kernel.name, kernel.op, args, kernel.func, params, kernel.contract,
                      inplace_of=kernel.args.index(src))
+
+
+def check_inplace(source: str, src: Layout, dst: Layout) -> None:
+    """In place overwrites ``source`` element by element: it must be laid out as dst (checked
+    when the spec is parsed, and again when the kernel is made)."""
+    if src != dst:
+        from blockpad.errors import SpecError
+
+        raise SpecError(f"in place needs {source} and dst in one layout; got {src} and {dst}")
 
 
 def alias_inplace(func: tirx.PrimFunc, kernel: KernelDef) -> tirx.PrimFunc:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from blockpad.errors import BlockpadError, SpecError
 from blockpad.layout import Layout
 
+from .kernel import check_inplace
 from .ops import OPS
 from .policy import DEFAULT_POLICY, check_policy
 
@@ -35,6 +36,7 @@ class KernelRequest:
     layouts: tuple      # (tensor name, Layout) pairs in the op's call order
     params: tuple = ()  # (name, value) pairs, values JSON-able
     policy: str = DEFAULT_POLICY
+    entry: int = 0      # which [[kernel]] entry of the spec (1-based) asked for it
 
     @property
     def layout(self) -> dict:
@@ -68,64 +70,110 @@ def load_spec(path) -> Spec:
     return parse_spec(doc, str(path))
 
 
+def as_spec(spec) -> Spec:
+    """A parsed Spec from what ``build`` takes: a Spec, a dict shaped like the TOML (the
+    ``[library]`` table and the ``[[kernel]]`` list), or a path to a TOML file."""
+    if isinstance(spec, Spec):
+        return spec
+    if isinstance(spec, dict):
+        return parse_spec(spec, "spec dict")
+    return load_spec(spec)
+
+
 def parse_spec(doc: dict, where: str = "spec") -> Spec:
+    """Check every entry, and every kernel it expands to, before anything is built: each
+    problem names its entry (and kernel, once it has a name), and all of them are listed in
+    one SpecError rather than the first hiding the others."""
+    if not isinstance(doc, dict):
+        raise SpecError(f"{where}: expected a table (dict) with a 'kernel' list; got "
+                        f"{type(doc).__name__}")
     entries = doc.get("kernel")
     if not isinstance(entries, list) or not entries:
         raise SpecError(f"{where}: expected one or more [[kernel]] tables; found none")
     library = doc.get("library", {})
     policy = check_policy(library.get("policy", DEFAULT_POLICY))
-    kernels, seen = [], {}
-    for i, entry in enumerate(entries):
-        for req in _expand(entry, f"{where}: kernel #{i + 1}", policy):
+    kernels, seen, errors = [], {}, []
+    for i, entry in enumerate(entries, 1):
+        for req in _expand(entry, i, f"{where}: kernel #{i}", policy, errors):
             if req.name in seen:
-                raise SpecError(f"{where}: kernel #{i + 1} makes {req.name!r}, which kernel "
-                                f"#{seen[req.name]} already makes; give one a distinct name")
-            seen[req.name] = i + 1
+                errors.append(f"{where}: kernel #{i} makes {req.name!r}, which kernel "
+                              f"#{seen[req.name]} already makes; give one a distinct name")
+                continue
+            seen[req.name] = i
             kernels.append(req)
+    if errors:
+        raise SpecError(errors[0] if len(errors) == 1 else
+                        f"{where}: {len(errors)} problems:\n  " + "\n  ".join(errors))
     return Spec(library.get("name", "kernels"), tuple(kernels), policy)
 
 
-def _expand(entry: dict, where: str, library_policy: str):
+def _expand(entry, index: int, where: str, library_policy: str, errors: list):
+    """The kernel requests of one entry; what is wrong with it goes to ``errors``."""
+    if not isinstance(entry, dict):
+        errors.append(f"{where}: expected a table; got {entry!r}")
+        return
     op_name = entry.get("op")
     if op_name not in OPS:
-        raise SpecError(f"{where}: op: expected one of {', '.join(OPS)}; got {op_name!r}")
+        errors.append(f"{where}: op: expected one of {', '.join(OPS)}; got {op_name!r}")
+        return
     op = OPS[op_name]
     known = {"op", "name", "shape", "shapes", "dtype", "dtypes", "policy", *op.tensors, *op.params}
     if op.inplace:
         known.add("inplace")
     unknown = sorted(set(entry) - known)
     if unknown:
-        raise SpecError(f"{where}: unknown key {', '.join(unknown)} for op {op_name!r}; "
-                        f"expected {', '.join(sorted(known))}")
-    shapes = _one_or_many(entry, "shape", "shapes", where)
-    dtypes = _one_or_many(entry, "dtype", "dtypes", where, default=["float32"])
-    policy = library_policy if op.policy_free else check_policy(entry.get("policy", library_policy))
+        errors.append(f"{where}: unknown key {', '.join(unknown)} for op {op_name!r}; "
+                      f"expected {', '.join(sorted(known))}")
+        return
+    try:
+        shapes = _one_or_many(entry, "shape", "shapes", where)
+        dtypes = _one_or_many(entry, "dtype", "dtypes", where, default=["float32"])
+        policy = library_policy if op.policy_free else \
+            check_policy(entry.get("policy", library_policy))
+    except BlockpadError as e:
+        errors.append(str(e) if str(e).startswith(where) else f"{where}: {e}")
+        return
     params = {k: entry.get(k, v) for k, v in op.params.items()}
     if entry.get("inplace"):
         params["inplace"] = True
     combos = list(itertools.product(shapes, dtypes))
     if "name" in entry and len(combos) > 1:
-        raise SpecError(f"{where}: 'name' names one kernel, but the entry expands to "
-                        f"{len(combos)} (shapes x dtypes)")
+        errors.append(f"{where}: 'name' names one kernel, but the entry expands to "
+                      f"{len(combos)} (shapes x dtypes)")
+        return
     for shape, dtype in combos:
+        at = where if len(combos) == 1 else f"{where} (shape {shape}, {dtype})"
         try:
-            signature = op.shapes(shape, dtype, params)
-            layouts = []
-            for t in op.tensors:
-                if t not in signature:
-                    continue          # an optional tensor the parameters switched off
-                if t not in entry and t not in op.default_tags:
-                    raise SpecError(f"op {op_name!r} needs a layout for {t}")
-                layouts.append((t, _layout(entry.get(t, op.default_tags.get(t)), *signature[t])))
+            layouts = tuple(_layouts(op, op_name, entry, shape, dtype, params))
         except BlockpadError as e:
-            raise SpecError(f"{where}: {e}") from None
-        layouts = tuple(layouts)
+            errors.append(f"{at}: {e}")
+            continue
         name = entry.get("name") or _default_name(op_name, layouts, params, op.params,
                                                   None if op.policy_free else policy)
-        if not name.isidentifier():
-            raise SpecError(f"{where}: name must be a C identifier; got {name!r}")
-        yield KernelRequest(name, op_name, layouts, tuple(sorted(params.items())),
-                            policy)
+        if not isinstance(name, str) or not name.isidentifier():
+            errors.append(f"{at}: name must be a C identifier; got {name!r}")
+            continue
+        try:
+            op.validate(dict(layouts), params)
+            if params.get("inplace"):
+                check_inplace(op.inplace, dict(layouts)[op.inplace], dict(layouts)["dst"])
+        except BlockpadError as e:
+            errors.append(f"{where} ({name}): {e}")
+            continue
+        yield KernelRequest(name, op_name, layouts, tuple(sorted(params.items())), policy,
+                            entry=index)
+
+
+def _layouts(op, op_name, entry, shape, dtype, params):
+    signature = op.shapes(shape, dtype, params)
+    for t in op.tensors:
+        if t not in signature:
+            continue          # an optional tensor the parameters switched off
+        if t not in entry and t not in op.default_tags:
+            raise SpecError(f"op {op_name!r} needs a layout for {t}")
+        yield t, _layout(entry.get(t, op.default_tags.get(t)), *signature[t])
+
+
 def _one_or_many(entry, one, many, where, default=None):
     if one in entry and many in entry:
         raise SpecError(f"{where}: give {one!r} or {many!r}, not both")

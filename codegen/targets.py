@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 
-from blockpad.errors import SpecError
+from blockpad.errors import BuildError, SpecError
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class Target:
     vector_bytes: int     # widest vector register the schedules target
     description: str = ""
     cross_compiler: str | None = None   # C compiler that links the shared library
+    cross_package: str | None = None    # the Debian/Ubuntu package that installs it
     extra: dict = field(default_factory=dict)
 
     @property
@@ -43,6 +45,10 @@ class Target:
 # runs on any Haswell-or-later Intel and Zen AMD, which is what 'host' promises.
 _X86_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "sse4_2", "popcnt")
 _AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+
+
+# the aarch64 GNU toolchain links Arm libraries (and blockpad.testing.qemu's harness)
+_AARCH64_GCC = {"cross_compiler": "aarch64-linux-gnu-gcc", "cross_package": "gcc-aarch64-linux-gnu"}
 
 
 def _cuda(cc: int, gpu: str) -> Target:
@@ -85,13 +91,13 @@ TARGETS = {
     "neon": Target("neon", "arm", {"kind": "llvm", "mtriple": "aarch64-linux-gnu",
                                    "mattr": ["+neon"]},
                    "aarch64", ("asimd",), 16, "Arm AArch64 with NEON (Advanced SIMD)",
-                   cross_compiler="aarch64-linux-gnu-gcc"),
+                   **_AARCH64_GCC),
     "neon-dotprod": Target("neon-dotprod", "arm", {"kind": "llvm", "mtriple": "aarch64-linux-gnu",
                                                    "mattr": ["+neon", "+dotprod"]},
                            "aarch64", ("asimd", "asimddp"), 16,
                            "Arm AArch64 with NEON and the dot-product extension (sdot/udot; "
                            "Armv8.2-A+dotprod: Cortex-A55/A76, Neoverse N1 and later)",
-                           cross_compiler="aarch64-linux-gnu-gcc"),
+                           **_AARCH64_GCC),
     **{f"cuda-sm{cc}": _cuda(cc, gpu) for cc, gpu in ((80, "Ampere A100"), (90, "Hopper H100"))},
 }
 
@@ -101,3 +107,12 @@ def get_target(name: str) -> Target:
         return TARGETS[name]
     except KeyError:
         raise SpecError(f"target: expected one of {', '.join(TARGETS)}; got {name!r}") from None
+
+
+def check_toolchain(target: Target) -> None:
+    """A cross target links with its cross compiler: refuse before any work when it is not
+    installed, saying which package provides it."""
+    if target.cross_compiler and shutil.which(target.cross_compiler) is None:
+        raise BuildError(f"target {target.name} links with {target.cross_compiler}, which is not "
+                         f"on PATH; install it (Debian/Ubuntu: apt-get install "
+                         f"{target.cross_package})")

@@ -28,8 +28,8 @@ from blockpad import machine
 from blockpad import manifest as mf
 from blockpad.errors import BuildError, SpecError
 
-from .spec import Spec, load_spec
-from .targets import Target, get_target
+from .spec import as_spec
+from .targets import Target, check_toolchain, get_target
 from .tuning_records import (DB_FILES, INDEX, ONE_VARIANT, ROUNDS, STRIDED, Logs, default_dir,
                              target_key, variant_time, workload_hash)
 
@@ -82,11 +82,12 @@ def tune(spec, target="host", trials=16, out=None, rpc: Rpc | None = None, log=N
     """Measure up to ``trials`` schedule variants of every kernel ``spec`` builds for ``target``
     into ``out/<target>/`` (default: the packaged tuning_logs). Returns one dict per kernel."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    spec = as_spec(spec)
     target = target if isinstance(target, Target) else get_target(target)
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise SpecError(f"--trials: expected a positive number of trials; got {trials!r}")
     _check_measurable(target, rpc)
+    check_toolchain(target)
     folder = (Path(out) if out is not None else default_dir()) / target.name
     folder.mkdir(parents=True, exist_ok=True)
     _drop_torn_lines(folder, log)

@@ -200,3 +200,87 @@ def test_inspect_shows_tir_and_asm(reorder_lib_dir):
         show(reorder_lib_dir, "tir", "nope")
     with pytest.raises(bp.LoadError, match="has no cuda source"):
         show(reorder_lib_dir, "cuda")
+
+
+# ---- errors name their entry and kernel, and none hides another --------------------------------
+
+def test_parse_time_checks_are_listed_together():
+    """What the spec alone shows is refused when it is parsed (before any TVM work), each
+    problem naming its entry and kernel, all of them in one error."""
+    shape = [1, 6, 4, 4]
+    doc = {"kernel": [
+        {"op": "eltwise", "shape": shape, "src": "nchw", "dst": "nchw", "algorithm": "swish"},
+        {"op": "softmax", "shape": shape, "src": "nchw", "dst": "nchw", "axis": 4},
+        {"op": "reorder", "shape": shape, "src": "nchw", "dst": "nChw8c"},   # fine
+        {"op": "conv2d", "name": "conv_sum", "shape": shape, "channels": 6, "src": "nchw",
+         "weights": "oihw", "dst": "nchw", "post_ops": [{"kind": "sum"}], "sum": "nChw8c"},
+        {"op": "binary", "name": "add_inplace", "shape": shape, "src0": "nchw", "src1": "nchw",
+         "dst": "nhwc", "inplace": True},
+    ]}
+    with pytest.raises(bp.SpecError) as e:
+        parse_spec(doc)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "spec: 4 problems:"
+    assert re.search(r"kernel #1 \(eltwise_nchw_nchw_f32_1x6x4x4_\w+\): eltwise algorithm: "
+                     r"expected one of relu.*got 'swish'", lines[1])
+    assert re.search(r"kernel #2 \(softmax_\w+\): softmax: axis must be an integer in \[-4, 4\)"
+                     r".*got 4", lines[2])
+    assert "kernel #4 (conv_sum): sum post-op: its layout must have dst's padded dims" in lines[3]
+    assert "kernel #5 (add_inplace): in place needs src0 and dst in one layout" in lines[4]
+
+
+def test_build_lists_every_kernel_that_fails(tmp_path, monkeypatch):
+    """A kernel whose code generation fails and one whose scheduling fails are both reported,
+    by entry and kernel name, in one error after the build went through all of them."""
+    import blockpad.codegen.build as build_mod
+    import blockpad.schedules
+
+    make, schedule = build_mod.make_kernels, blockpad.schedules.schedule
+
+    def failing_make(req):
+        if req.name == "bad_generate":
+            raise IndexError("list index out of range")   # what a TVM bug looks like
+        return make(req)
+
+    def failing_schedule(func, target):
+        if "bad_schedule" in str(func.attrs["global_symbol"]):
+            raise bp.LayoutError("no rule for this nest")
+        return schedule(func, target)
+
+    monkeypatch.setattr(build_mod, "make_kernels", failing_make)
+    monkeypatch.setattr(blockpad.schedules, "schedule", failing_schedule)
+    entry = {"op": "zero_pad", "shape": [1, 3, 2, 2], "layout": "nChw8c"}
+    doc = {"library": {"name": "three"}, "kernel": [
+        {**entry, "name": "bad_generate"}, {**entry, "name": "good"},
+        {**entry, "name": "bad_schedule"}]}
+    lines = []
+    with pytest.raises(bp.BuildError) as e:
+        bp.build(doc, "host", tmp_path, log=lines.append)
+    text = str(e.value)
+    assert text.startswith("three: 2 of 3 spec kernels cannot be built for host:")
+    assert "kernel #1 (bad_generate): code generation failed: IndexError: list index" in text
+    assert "kernel #3 (bad_schedule): scheduling failed: no rule for this nest" in text
+    assert "good" not in text and "[2/3] good: generated" in "\n".join(lines)
+    assert not (tmp_path / "kernels.so").exists()
+
+
+def test_build_takes_a_spec_as_a_dict(small_dir):
+    """A dict shaped like the TOML is a spec: the same build key as its parsed form."""
+    lines = []
+    result = bp.build(SMALL, "host", small_dir, log=lines.append)
+    assert not result.rebuilt and "nothing to do" in lines[0]
+    with pytest.raises(bp.SpecError, match="spec dict: expected one or more"):
+        bp.build({"kernels": []}, "host", small_dir)
+
+
+def test_a_missing_cross_compiler_names_its_package(tmp_path, monkeypatch):
+    """neon links with aarch64-linux-gnu-gcc: without it on PATH the build stops before any
+    kernel is generated or scheduled, saying what to install."""
+    import blockpad.codegen.build as build_mod
+
+    monkeypatch.setenv("PATH", str(tmp_path))   # a PATH with no compiler on it
+    monkeypatch.setattr(build_mod, "make_kernels", lambda req: pytest.fail("generated"))
+    with pytest.raises(bp.BuildError, match=r"target neon links with aarch64-linux-gnu-gcc, "
+                       r"which is not on PATH; install it \(Debian/Ubuntu: apt-get install "
+                       r"gcc-aarch64-linux-gnu\)"):
+        bp.build(SMALL, "neon", tmp_path / "out", log=lambda m: None)

@@ -28,6 +28,14 @@ class Op:
     default_tags: dict = field(default_factory=dict)   # tensors a spec may leave out
     policy_free: bool = False            # data movement: the same code under every policy
     inplace: str | None = None           # the source a spec's `inplace = true` overwrites
+    check: Callable | None = None        # check(layouts, params): SpecError at parse time
+
+    def validate(self, layouts: dict, params: dict) -> None:
+        """What make() would refuse and the spec alone shows: refused when it is parsed."""
+        if self.check:
+            self.check(layouts, params)
+        if "post_ops" in params:
+            postops.check_layouts(layouts)
 
     def shapes(self, shape, dtype, params):
         return (self.signature or same_shape(self.tensors))(shape, dtype, params)
@@ -38,13 +46,15 @@ OPS = {
                   policy_free=True),
     "zero_pad": Op(("layout",), lambda l, name, policy: [zero_pad(l["layout"], name)],
                    policy_free=True),
-    "eltwise": Op(("src", "dst"), eltwise.make, eltwise.PARAMS, inplace="src"),
+    "eltwise": Op(("src", "dst"), eltwise.make, eltwise.PARAMS, inplace="src",
+                  check=eltwise.check),
     "binary": Op(("src0", "src1", "dst"), binary.make, binary.PARAMS, binary.signature,
                  inplace="src0"),
     "conv2d": Op(conv.TENSORS, conv.make, conv.PARAMS, conv.signature, postops.DEFAULT_TAGS),
     "matmul": Op(matmul.TENSORS, matmul.make, matmul.PARAMS, matmul.signature,
                  postops.DEFAULT_TAGS),
-    "softmax": Op(("src", "dst"), softmax.make, softmax.PARAMS, inplace="src"),
+    "softmax": Op(("src", "dst"), softmax.make, softmax.PARAMS, inplace="src",
+                  check=softmax.check),
     "pool": Op(("src", "dst"), pool.make, pool.PARAMS, pool.signature),
     "concat": Op(concat.TENSORS, concat.make, concat.PARAMS, concat.signature),
 }

@@ -42,9 +42,14 @@ def apply(algorithm: str, x, alpha=0.0, beta=0.0):
     return ALGORITHMS[algorithm](x, float(alpha), float(beta))
 
 
+def check(layouts, params) -> None:
+    """Refuse an unknown algorithm when the spec is parsed, not when the kernel is made."""
+    apply(params["algorithm"], tirx.Var("x", "float32"), params["alpha"], params["beta"])
+
+
 def make(layouts, name, policy, algorithm="relu", alpha=0.0, beta=0.0):
     src, dst = layouts["src"], layouts["dst"]
-    apply(algorithm, tirx.Var("x", "float32"), alpha, beta)   # reject unknown names early
+    check(layouts, {"algorithm": algorithm, "alpha": alpha, "beta": beta})
 
     def opdef(mode):
         x = Source("src", src, mode)

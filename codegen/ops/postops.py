@@ -107,17 +107,24 @@ def tensors(post_ops, dst_shape, channels: int, src_dtype: str) -> dict:
     return out
 
 
+def check_layouts(layouts: dict) -> None:
+    """The sum tensor is read at dst's physical positions: it needs dst's padded dims and halo
+    (checked when a spec is parsed, and again when the chain is made)."""
+    dst = layouts["dst"]
+    if "sum" in layouts and (layouts["sum"].padded_shape, layouts["sum"].paddings) != \
+            (dst.padded_shape, dst.paddings):
+        raise SpecError(f"sum post-op: its layout must have dst's padded dims and halo; "
+                        f"got {layouts['sum']} for dst {dst}")
+
+
 class Chain:
     """The chain of one kernel: its sources (``sources``, argument order) and, called as
     ``chain(v, idx)``, the epilogue ``OpDef`` applies to the reduced value."""
 
     def __init__(self, post_ops, layouts: dict, mode: str):
         self.ops = check(post_ops)
+        check_layouts(layouts)
         dst = layouts["dst"]
-        if "sum" in layouts and (layouts["sum"].padded_shape, layouts["sum"].paddings) != \
-                (dst.padded_shape, dst.paddings):
-            raise SpecError(f"sum post-op: its layout must have dst's padded dims and halo; "
-                            f"got {layouts['sum']} for dst {dst}")
         self.sources = {n: Source(n, layouts[n], mode) for n in TENSORS if n in layouts}
         self.per_channel = {n: _extended(self.sources[n], dst) for n in ("scale", "bias")
                             if n in self.sources}

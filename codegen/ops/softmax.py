@@ -34,13 +34,19 @@ from .common import OpDef, Source, materialize, plan_for
 PARAMS = {"axis": 1, "log": False}
 
 
-def make(layouts, name, policy, axis=1, log=False):
-    src, dst = layouts["src"], layouts["dst"]
-    if not isinstance(axis, int) or not -src.rank <= axis < src.rank:
-        raise SpecError(f"softmax: axis must be an integer in [{-src.rank}, {src.rank}); "
-                        f"got {axis!r}")
+def check(layouts, params) -> None:
+    """The axis and dtype, refused when the spec is parsed, not when the kernel is made."""
+    src, axis = layouts["src"], params["axis"]
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -src.rank <= axis < src.rank:
+        raise SpecError(f"softmax: axis must be an integer in [{-src.rank}, {src.rank}) for "
+                        f"a rank-{src.rank} source; got {axis!r}")
     if src.dtype != "float32":
         raise SpecError(f"softmax: dtype must be float32; got {src.dtype}")
+
+
+def make(layouts, name, policy, axis=1, log=False):
+    src, dst = layouts["src"], layouts["dst"]
+    check(layouts, {"axis": axis})
     axis %= src.rank
     rows = Layout.plain(tuple(1 if d == axis else n for d, n in enumerate(src.shape)))
 
