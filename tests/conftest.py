@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import blockpad as bp
 from blockpad import assembly
 from blockpad.codegen.spec import parse_spec
+from blockpad.codegen.targets import get_target
 
 # Reorders and zero pads covering the layout families, blocks that do not divide the dims,
 # nested blocks, halos, custom strides and every dtype class.
@@ -40,6 +42,15 @@ REORDER_SPEC = {
         {"op": "zero_pad", "shape": [2, 32, 5, 7], "layout": "nChw16c"},
     ],
 }
+
+
+def needs_cross_compiler(target: str = "neon"):
+    """Skip (saying what to install) where ``target``'s cross compiler, which links its
+    libraries, is not installed."""
+    t = get_target(target)
+    return pytest.mark.skipif(shutil.which(t.cross_compiler) is None,
+                              reason=f"{t.cross_compiler} not installed: it links {target} "
+                                     f"libraries (apt-get install {t.cross_package})")
 
 
 @pytest.fixture(scope="session")

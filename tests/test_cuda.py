@@ -27,8 +27,9 @@ from blockpad.codegen.spec import parse_spec
 from blockpad import machine
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None,
-                                reason="nvcc (CUDA toolkit) not on PATH: CUDA targets compile "
-                                       "with it at build time")
+                                reason="nvcc not on PATH: CUDA targets compile with it at build "
+                                       "time (install the CUDA toolkit: apt-get install "
+                                       "nvidia-cuda-toolkit, or put its bin/ on PATH)")
 
 ARCHS = {"cuda-sm80": 80, "cuda-sm90": 90}
 SHAPE = [2, 30, 5, 7]   # C = 30: two channels of padding in the last 16-channel block

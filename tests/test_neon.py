@@ -2,8 +2,10 @@
 kernels executed for real under qemu-aarch64 (blockpad.testing.qemu) and compared with numpy,
 the NEON instructions asserted in its machine code, and ``blockpad.load`` refusing it on x86.
 
-Needs ``aarch64-linux-gnu-gcc`` (to link the library and the harness) and ``qemu-aarch64``
-(Debian: gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; .ci/run installs them)."""
+Building needs ``aarch64-linux-gnu-gcc`` (it links the library: gcc-aarch64-linux-gnu); the
+tests that execute kernels also need ``qemu-aarch64`` and the aarch64 C library (qemu-user,
+libc6-dev-arm64-cross). Each test skips, saying what to install, where its tools are missing;
+the target's flags need nothing."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import blockpad as bp
 from blockpad.codegen.spec import parse_spec
 from blockpad import machine
 from blockpad import manifest as mf
+from blockpad.codegen.targets import get_target
 from blockpad.runtime.library import Signature
 from blockpad import assembly
 from blockpad.bench import isa
@@ -27,9 +30,11 @@ from blockpad.testing import qemu
 from .conftest import asm_functions, dot_inputs, garbage, kernel_instructions, random_array
 from .reference import REFERENCES, dot_reference
 
+# building needs the cross compiler only (the fixtures skip without it: machine-code and
+# manifest tests run without the emulator); running needs the emulator and sysroot too
 MISSING = qemu.missing_tools()
-pytestmark = pytest.mark.skipif(
-    bool(MISSING), reason="aarch64 toolchain / emulator not installed: " + "; ".join(MISSING))
+executes = pytest.mark.skipif(bool(MISSING), reason="runs aarch64 code under qemu, and this "
+                              "machine lacks: " + "; ".join(MISSING))
 
 SHAPE = [2, 30, 5, 7]          # C=30: the last 4- and 8-channel blocks are partial; W=7 odd
 HALO = {"h": [1, 2], "w": [3, 1]}
@@ -154,6 +159,7 @@ def neon_dir(tmp_path_factory):
     """The library, built the way a user builds it: ``blockpad build SPEC --target neon``."""
     from blockpad.cli import main
 
+    _need_compiler("neon")
     out = tmp_path_factory.mktemp("neon") / "lib"
     spec = out.parent / "neon.toml"
     spec.write_text(_toml(SPEC))
@@ -168,6 +174,7 @@ def neon_lib(neon_dir):
 
 @pytest.fixture(scope="session")
 def dotprod_dir(tmp_path_factory):
+    _need_compiler("neon-dotprod")
     out = tmp_path_factory.mktemp("neon-dotprod") / "lib"
     bp.build(parse_spec(DOTPROD_SPEC), "neon-dotprod", out, log=lambda m: None)
     return out
@@ -181,6 +188,13 @@ def dotprod_lib(dotprod_dir):
 @pytest.fixture(scope="session")
 def dotprod_asm(dotprod_dir) -> dict:
     return asm_functions(dotprod_dir)
+
+
+def _need_compiler(target):
+    t = get_target(target)
+    if shutil.which(t.cross_compiler) is None:
+        pytest.skip(f"{t.cross_compiler} not installed: it links {target} libraries "
+                    f"(apt-get install {t.cross_package})")
 
 
 def signatures(lib_dir) -> dict:
@@ -214,8 +228,6 @@ def test_load_refuses_it_on_another_architecture(neon_dir):
 
 
 def test_neon_dotprod_target_requires_asimddp():
-    from blockpad.codegen.targets import get_target
-
     t = get_target("neon-dotprod")
     assert (t.family, t.arch, t.cross_compiler) == ("arm", "aarch64", "aarch64-linux-gnu-gcc")
     assert set(t.features) == {"asimd", "asimddp"} and t.vector_bytes == 16
@@ -269,6 +281,7 @@ def _padding(mem):
     return mem.buffer[mem.layout.padding_offsets()]
 
 
+@executes
 def test_reorders_and_zero_pads_are_exact(neon_dir, neon_lib, rng):
     calls, checks = [], []
     for name, sig in neon_lib.items():
@@ -285,7 +298,9 @@ def test_reorders_and_zero_pads_are_exact(neon_dir, neon_lib, rng):
             calls.append((name, [mem]))
             checks.append((name, want, mem))
     assert len(calls) >= 13
-    qemu.run_many(neon_dir, calls)
+    launched = qemu.run_many(neon_dir, calls)
+    # the parallel loops ran split into tasks on threads, as on a device, not as one range
+    assert qemu.TASKS > 1 and max(launched) == qemu.TASKS, launched
     for name, src, dst in checks:
         want = src if isinstance(src, np.ndarray) else src.to_numpy()
         got = dst.to_numpy()
@@ -329,6 +344,7 @@ def _unary_calls(lib, rng, ops):
     return calls, kernels
 
 
+@executes
 def test_eltwise_and_binary_match_numpy_under_each_policy(neon_dir, neon_lib, rng):
     calls, kernels = _unary_calls(neon_lib, rng, ("eltwise", "binary"))
     policies = {sig.padding["policy"] for _, sig, *_ in kernels}
@@ -339,6 +355,7 @@ def test_eltwise_and_binary_match_numpy_under_each_policy(neon_dir, neon_lib, rn
     _check(checks, tol=2e-6)
 
 
+@executes
 def test_exp_covers_the_whole_fp32_range(neon_dir):
     # NEON has no vector libm here: exp is a polynomial (schedules.arm.vector_math) and must
     # still overflow to inf past log(FLT_MAX), and reach 0 at -inf, as expf does
@@ -400,6 +417,7 @@ def test_fp32_conv_and_matmul_are_register_tiles_of_fmla(neon_lib, neon_asm):
             (name, m)
 
 
+@executes
 def test_fp32_conv_matmul_softmax_pool_match_numpy_under_each_policy(neon_dir, neon_lib, rng):
     calls, checks = _dot_calls(neon_lib, rng, "float32")
     more_calls, kernels = _unary_calls(neon_lib, rng, ("softmax", "pool"))
@@ -425,6 +443,7 @@ def _sdot_hot_loop(funcs, name) -> dict:
     return m
 
 
+@executes
 def test_int8_matmul_without_dotprod_uses_no_sdot(neon_dir, neon_lib, neon_asm, rng):
     assert not any(i.startswith("sdot") for i in kernel_instructions(neon_asm, "mm_s8"))
     calls, checks = _dot_calls(neon_lib, rng, "int8")
@@ -446,6 +465,7 @@ def test_int8_matmul_and_conv_run_on_sdot(dotprod_dir, dotprod_lib, dotprod_asm)
         assert dotprod_lib[name].op != "conv2d" or not spills, name
 
 
+@executes
 def test_int8_sdot_kernels_match_numpy_exactly_under_each_policy(dotprod_dir, dotprod_lib, rng):
     calls, checks = _dot_calls(dotprod_lib, rng, "int8")
     policies = {dotprod_lib[name].padding["policy"] for name, *_ in checks}
@@ -468,6 +488,7 @@ def test_the_shared_object_holds_neon_code(neon_dir, dotprod_dir):
     assert re.search(r"\bsdot\s+v\d+\.4s, v\d+\.16b, v\d+\.16b", dotprod)
 
 
+@executes
 def test_plain_numpy_arrays_are_taken_too(neon_dir, rng):
     x = rng.standard_normal(SHAPE).astype(np.float32)
     y = np.full(SHAPE, np.nan, np.float32)
@@ -475,6 +496,7 @@ def test_plain_numpy_arrays_are_taken_too(neon_dir, rng):
     np.testing.assert_array_equal(y, np.maximum(x, 0))
 
 
+@executes
 def test_a_kernel_error_comes_back_with_tvms_message(neon_dir, neon_lib, tmp_path):
     # call the harness directly with a wrong shape: the kernel's own argument check must fire
     # and its message travel back through TVMFFIErrorMoveFromRaised
@@ -490,6 +512,32 @@ def test_a_kernel_error_comes_back_with_tvms_message(neon_dir, neon_lib, tmp_pat
                         str(neon_dir / "kernels.so"), str(calls)], capture_output=True, text=True)
     assert r.returncode == 1
     assert "ValueError" in r.stderr and "shape[3]" in r.stderr and "expected 7" in r.stderr
+
+
+@executes
+def test_the_harness_catches_writes_outside_buffers_and_into_inputs(neon_dir, neon_lib, tmp_path):
+    """Every call's buffers sit between guard bytes and its inputs are compared after it: a
+    destination file shorter than the kernel writes (the kernel overruns it), and a written
+    tensor passed as an input, both fail the call, saying which."""
+    sig = neon_lib["relu_dst_fused_nchw"]
+    (_, _, src, storage), (_, _, dst, _) = sig.args
+
+    def harness(dst_elements, dst_role):
+        np.ones(src.alloc_len, np.float32).tofile(tmp_path / "src.bin")
+        np.zeros(dst_elements, np.float32).tofile(tmp_path / "dst.bin")
+        words = [qemu._tensor_word(src, storage, str(tmp_path / "src.bin"), "in"),
+                 qemu._tensor_word(dst, storage, str(tmp_path / "dst.bin"), dst_role)]
+        (tmp_path / "calls.txt").write_text(" ".join(["relu_dst_fused_nchw", *words]) + "\n")
+        return subprocess.run([qemu.qemu_binary(), "-L", qemu.SYSROOT, "-cpu", "max",
+                               str(qemu.harness()), str(neon_dir / "kernels.so"),
+                               str(tmp_path / "calls.txt")], capture_output=True, text=True)
+    ok = harness(dst.alloc_len, "out")
+    assert ok.returncode == 0 and ok.stdout.startswith("ok"), ok.stderr
+    short = harness(dst.alloc_len - 16, "out")
+    assert short.returncode == 3
+    assert re.search(r"relu_dst_fused_nchw wrote 64 guard bytes around tensor 1", short.stderr)
+    written = harness(dst.alloc_len, "in")
+    assert written.returncode == 3 and "changed its input tensor 1" in written.stderr
 
 
 def test_arguments_are_checked_against_the_signature(neon_dir, neon_lib):

@@ -27,6 +27,7 @@ from blockpad.codegen.targets import get_target
 from blockpad.errors import SpecError
 from blockpad.schedules import space
 
+from .conftest import needs_cross_compiler
 from .test_conv_matmul import inputs, reference
 
 TRIALS = 3
@@ -345,6 +346,7 @@ def test_tune_measures_through_an_rpc_tracker(rpc_device, tmp_path):
     assert len(records) == 2 * tr.ROUNDS and all(tr.record_time(r) < 1 for r in records)
 
 
+@needs_cross_compiler("neon")
 def test_cross_target_candidates_are_linked_for_the_device():
     """neon through RPC: the builder exports with the cross compiler (build-only: no device)."""
     neon = get_target("neon")

@@ -40,14 +40,17 @@ from pathlib import Path
 
 import numpy as np
 
+from blockpad.codegen.targets import get_target
 from blockpad.errors import ArgumentError, BlockpadError
 from blockpad.layout import numpy_dtype
 
 QEMU = ("qemu-aarch64", "qemu-aarch64-static")
-CROSS_CC = "aarch64-linux-gnu-gcc"
+_NEON = get_target("neon")   # its cross compiler links the harness too
+CROSS_CC = _NEON.cross_compiler
 SYSROOT = "/usr/aarch64-linux-gnu"
 HARNESS_SOURCE = Path(__file__).with_name("tvm_run.c")
 APT_PACKAGES = "qemu-user qemu-user-static gcc-aarch64-linux-gnu libc6-dev-arm64-cross"
+TASKS = 4   # tasks per parallel launch: more than one, so the kernels' split of work is run
 
 
 class QemuUnavailable(BlockpadError, RuntimeError):
@@ -83,7 +86,7 @@ def missing_tools() -> list[str]:
     if not native() and qemu_binary() is None:
         out.append("qemu-aarch64 (apt-get install qemu-user)")
     if compiler() is None:
-        out.append(f"{CROSS_CC} (apt-get install gcc-aarch64-linux-gnu)")
+        out.append(f"{CROSS_CC} (apt-get install {_NEON.cross_package})")
     if not native() and not os.path.isfile(os.path.join(SYSROOT, "lib", "libc.so.6")):
         out.append(f"the aarch64 C library in {SYSROOT} (apt-get install libc6-dev-arm64-cross)")
     return out
@@ -163,7 +166,7 @@ def harness() -> Path:
             return exe
     part = exe.with_name(f"{exe.name}.{os.getpid()}")
     cmd = [compiler(), "-O2", "-std=c11", "-D_GNU_SOURCE", f"-I{include}", "-o", str(part),
-           str(HARNESS_SOURCE), f"-L{lib.parent}", "-ltvm_ffi", "-ldl", "-Wl,-rpath,$ORIGIN"]
+           str(HARNESS_SOURCE), f"-L{lib.parent}", "-ltvm_ffi", "-ldl", "-pthread", "-Wl,-rpath,$ORIGIN"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise QemuUnavailable(f"compiling the aarch64 harness failed: {' '.join(cmd)}\n{r.stderr}")
@@ -171,18 +174,22 @@ def harness() -> Path:
     return exe
 
 
-def run_aarch64(lib_dir, kernel_name: str, args, timeout: float = 300) -> None:
+def run_aarch64(lib_dir, kernel_name: str, args, timeout: float = 300, tasks: int = TASKS) -> int:
     """Call kernel ``kernel_name`` of the aarch64 library built in ``lib_dir`` on ``args``
     (Memory objects or numpy arrays, one per argument of the kernel's signature, as
     ``blockpad.load(...)[kernel_name]`` takes them: a flat buffer, the physical shape of a
     compact layout, or the logical shape of a plain one). Every argument the kernel writes is
-    updated in place."""
-    run_many(lib_dir, [(kernel_name, args)], timeout)
+    updated in place. The harness checks the call as ``run_many`` says; returns the most
+    tasks one of its parallel launches had."""
+    return run_many(lib_dir, [(kernel_name, args)], timeout, tasks)[0]
 
 
-def run_many(lib_dir, calls, timeout: float = 300) -> None:
+def run_many(lib_dir, calls, timeout: float = 300, tasks: int = TASKS) -> list[int]:
     """``run_aarch64`` for a list of ``(kernel_name, args)`` calls, run in order in one qemu
-    process (emulator start-up costs about 0.3 s)."""
+    process (emulator start-up costs about 0.3 s). Each parallel loop is launched as ``tasks``
+    tasks on as many threads; a call that writes outside its buffers (the harness puts guard
+    bytes around each) or changes an ``in`` argument fails with ``QemuRunError``. Returns,
+    per call, the most tasks one of its parallel launches had (0: it has none)."""
     from blockpad import manifest as mf
     from blockpad.runtime.library import Signature
 
@@ -194,7 +201,6 @@ def run_many(lib_dir, calls, timeout: float = 300) -> None:
                             f"{manifest['target'].get('name')!r}); run_aarch64 runs aarch64 "
                             f"libraries only")
     signatures = {k["name"]: Signature(k) for k in manifest["kernels"]}
-    exe = harness()
     lib = os.path.abspath(os.path.join(lib_dir, manifest["library"]))
     with tempfile.TemporaryDirectory(prefix="blockpad-aarch64-") as tmp:
         lines, outputs = [], []
@@ -220,10 +226,11 @@ def run_many(lib_dir, calls, timeout: float = 300) -> None:
                                                 f"without being the same buffer")
                     path = files[key] = os.path.join(tmp, f"{len(files)}.bin")
                     flat.tofile(path)
-                words.append(_tensor_word(layout, storage, path))
+                words.append(_tensor_word(layout, storage, path, role))
                 if role != "in":
                     outputs.append((path, flat))
             lines.append(" ".join(words))
+        exe = harness()   # after the arguments are checked: their errors need no emulator
         calls_file = os.path.join(tmp, "calls.txt")
         with open(calls_file, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -231,7 +238,8 @@ def run_many(lib_dir, calls, timeout: float = 300) -> None:
         if not native():
             cmd = [qemu_binary(), "-L", SYSROOT, "-cpu", "max", *cmd]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                               env={**os.environ, "TVM_NUM_THREADS": str(tasks)})
         except subprocess.TimeoutExpired:
             raise QemuRunError(f"{lib}: {len(calls)} calls did not finish in {timeout} s "
                                f"under {cmd[0]}") from None
@@ -242,9 +250,12 @@ def run_many(lib_dir, calls, timeout: float = 300) -> None:
                                f"(rc={r.returncode}): {r.stderr.strip()}")
         for path, flat in outputs:
             flat[...] = np.fromfile(path, flat.dtype, flat.size)
+    return [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("ok")]
 
 
-def _tensor_word(layout, storage, path) -> str:
+def _tensor_word(layout, storage, path, role="out") -> str:
+    """One tensor of a harness call line (tvm_run.c): an ``in`` tensor must come back
+    unchanged, an ``out`` or ``inout`` one may be written."""
     import tvm_ffi
 
     if " " in path:
@@ -252,7 +263,8 @@ def _tensor_word(layout, storage, path) -> str:
     dt = tvm_ffi.dtype(storage)
     shape = "x".join(map(str, layout.physical_shape))
     strides = "x".join(map(str, layout.physical_strides))
-    return f"{dt.type_code}:{dt.bits}:{shape}:{strides}:{path}"
+    kind = "in" if role == "in" else "out"
+    return f"{kind}:{dt.type_code}:{dt.bits}:{shape}:{strides}:{path}"
 
 
 def _flat(value, where, role, layout) -> np.ndarray:
