@@ -11,9 +11,13 @@
   so it lives in the tensorized init block, which runs on the same pool thread as the updates
   that follow it.
 
-Each intrinsic also has a ``*_ref`` implementation: plain loops with the same description,
-so a schedule tensorized with it runs the same algorithm (packing, blocking, accumulation order)
-on any CPU, which is how the tests check the numerics where the instructions are missing.
+Each intrinsic also has a ``*_ref`` twin: plain loops that compute what the instruction
+computes, written from Intel's pseudo-code rather than from the description or the
+implementation (``vpdpbusd``: four u8 x s8 byte products widened to int32 and summed into each
+lane; an s8 source shifted by +128 to u8 and compensated by ``128 * sum(b)``; AMX: loops over
+the rows and row bytes of the tile configuration the implementation loads, B's rows being A's
+dwords). A schedule tensorized with the twin runs the same packing, blocking, shift and
+accumulation on any CPU, so an AVX2-only machine checks the arithmetic the instructions do.
 
 Defined here, in TVMScript, rather than imported from ``tvm.s_tir.tensor_intrin``: importing
 that package parses every intrinsic TVM has and takes ~30 s.
@@ -75,6 +79,13 @@ def _vnni_impl(src):
 # One tile multiply: C[16, 16] += A[16, K] . B packed [K/s][16][s] (s = 4 int8, 2 bf16: the
 # "VNNI" layout AMX wants, each tile row 64 bytes). bf16 is stored as uint16 (as blockpad keeps
 # it in every kernel argument: DLPack and numpy have no bfloat16), reinterpreted per element.
+
+
+# The tile configuration the kernels load (palette 1): tiles 0 (C), 1 (A) and 2 (B), each 16
+# rows of 64 bytes. The implementation writes it into the ldtilecfg block; the twins take
+# their loop extents from it, as the instructions do.
+TILE_ROWS = (16, 16, 16)
+TILE_COLSB = (64, 64, 64)
 
 
 def _bf16(x):
@@ -167,13 +178,94 @@ def _amx_cfg_zero_impl(dtype):
             for b in range(64):
                 cfg[b] = T.uint8(0)
             cfg[0] = T.uint8(1)                                    # palette 1
-            for t in range(3):
-                cfg[16 + 2 * t] = T.uint8(64)                      # colsb[t] = 64 bytes
-                cfg[48 + t] = T.uint8(16)                          # rows[t] = 16
+            cfg[16] = T.uint8(TILE_COLSB[0])                       # colsb[t]: bytes a row
+            cfg[18] = T.uint8(TILE_COLSB[1])
+            cfg[20] = T.uint8(TILE_COLSB[2])
+            cfg[48] = T.uint8(TILE_ROWS[0])                        # rows[t]
+            cfg[49] = T.uint8(TILE_ROWS[1])
+            cfg[50] = T.uint8(TILE_ROWS[2])
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", cfg.access_ptr("r")))
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(0)))
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(0), C.access_ptr("w"), T.int64(sc * 4)))
     return impl
+
+
+# ---- the twins: what the instructions compute, in plain loops ---------------------------------
+
+
+def _vnni_twin(src):
+    """``vpdpbusd zmm_c, zmm_a, zmm_b`` with the 4 bytes of A broadcast to every lane: each
+    int32 lane i adds the four products zero-extended u8 A[k] x sign-extended s8 B[i, k].
+    An s8 source enters as u8 A[k] + 128, and ``128 * sum_k B[i, k]`` (the same instruction on
+    a broadcast 128) is subtracted."""
+    shift = 128 if src == "int8" else 0
+
+    def u8(x):   # the byte vpdpbusd reads as unsigned
+        return T.Cast("int32", x) + shift
+
+    @T.prim_func(s_tir=True)
+    def twin(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
+        B = T.match_buffer(b, (16, 4), "int8", offset_factor=1, align=1)
+        C = T.match_buffer(c, (16,), "int32", offset_factor=1, align=1)
+        with T.sblock("root"):
+            T.reads(C[0:16], A[0:4], B[0:16, 0:4])
+            T.writes(C[0:16])
+            for i in range(16):
+                C[i] = C[i] + (u8(A[0]) * T.Cast("int32", B[i, 0])
+                               + u8(A[1]) * T.Cast("int32", B[i, 1])
+                               + u8(A[2]) * T.Cast("int32", B[i, 2])
+                               + u8(A[3]) * T.Cast("int32", B[i, 3])) \
+                    - shift * (T.Cast("int32", B[i, 0]) + T.Cast("int32", B[i, 1])
+                               + T.Cast("int32", B[i, 2]) + T.Cast("int32", B[i, 3]))
+    return twin
+
+
+def _amx_twin(src, tiles=1):
+    """``tiles`` x ``tdpbusd`` / ``tdpbssd`` / ``tdpbf16ps tmm0, tmm1, tmm2`` under the tile
+    configuration: for each of C's rows m and dwords n and each dword k of A's row (B's row k),
+    C[m, n] += the products of A[m]'s k-th dword elements with B[k][n]'s, in element order
+    (u8 or s8 A by s8 B, widened to int32; bf16 pairs as fp32, accumulated one product at a
+    time). Tile t multiplies A's t-th and B's t-th column block of the reduction."""
+    acc, wei, step, kt, size = _amx_shape(src, tiles)
+    rows, n_dwords = TILE_ROWS[0], TILE_COLSB[0] // 4
+    k_dwords = TILE_COLSB[1] // 4
+    if (TILE_ROWS[1], TILE_ROWS[2], TILE_COLSB[2]) != (rows, k_dwords, TILE_COLSB[0]) \
+            or k_dwords * tiles * step != kt:
+        raise ValueError("tile configuration does not describe this multiply")
+
+    def elem(x):
+        return _bf16(x) if src == "uint16" else T.Cast("int32", x)
+
+    @T.prim_func(s_tir=True)
+    def twin(a: T.handle, b: T.handle, c: T.handle) -> None:
+        sa = T.int32()
+        sb = T.int32()
+        sc = T.int32()
+        A = T.match_buffer(a, (16, kt), src, offset_factor=1, align=1, strides=[sa, 1])
+        B = T.match_buffer(b, (kt // step, 16, step), wei, offset_factor=1, align=1, strides=[sb, step, 1])
+        C = T.match_buffer(c, (16, 16), acc, offset_factor=1, align=1, strides=[sc, 1])
+        with T.sblock("root"):
+            T.reads(C[0:16, 0:16], A[0:16, 0:kt], B[0:kt // step, 0:16, 0:step])
+            T.writes(C[0:16, 0:16])
+            for t, m, n, k, e in T.grid(tiles, rows, n_dwords, k_dwords, step):
+                C[m, n] = C[m, n] + elem(A[m, (t * k_dwords + k) * step + e]) * \
+                    elem(B[t * k_dwords + k, n, e])
+    return twin
+
+
+def _zero_twin(dtype):
+    """``tilezero`` then ``tilestored``: C's configured rows and row bytes set to zero."""
+    @T.prim_func(s_tir=True)
+    def twin(c: T.handle) -> None:
+        sc = T.int32()
+        C = T.match_buffer(c, (16, 16), dtype, offset_factor=1, align=1, strides=[sc, 1])
+        with T.sblock("root"):
+            T.reads()
+            T.writes(C[0:16, 0:16])
+            for m, n in T.grid(TILE_ROWS[0], TILE_COLSB[0] // 4):
+                C[m, n] = T.Cast(dtype, 0)
+    return twin
 
 
 VNNI = "blockpad_vnni_16x4"                # u8 x s8
@@ -184,20 +276,22 @@ AMX_BF16 = "blockpad_amx_bf16f32_16x16x32"  # bf16 as uint16 storage
 AMX_ZERO_I32 = "blockpad_amx_cfg_zero_i32"
 AMX_ZERO_F32 = "blockpad_amx_cfg_zero_f32"
 _vnni_desc = functools.partial(dot_desc, 16)   # vpdpbusd: 16 int32 lanes
-_MAKERS = {VNNI: (_vnni_desc, _vnni_impl, "uint8"), VNNI_S8: (_vnni_desc, _vnni_impl, "int8"),
-           AMX_INT8: (_amx_desc, _amx_impl, "uint8"), AMX_S8: (_amx_desc, _amx_impl, "int8"),
-           AMX_BF16: (_amx_desc, _amx_impl, "uint16"),
-           AMX_ZERO_I32: (_zero_desc, _amx_cfg_zero_impl, "int32"),
-           AMX_ZERO_F32: (_zero_desc, _amx_cfg_zero_impl, "float32")}
+_MAKERS = {VNNI: (_vnni_desc, _vnni_impl, _vnni_twin, "uint8"),
+           VNNI_S8: (_vnni_desc, _vnni_impl, _vnni_twin, "int8"),
+           AMX_INT8: (_amx_desc, _amx_impl, _amx_twin, "uint8"),
+           AMX_S8: (_amx_desc, _amx_impl, _amx_twin, "int8"),
+           AMX_BF16: (_amx_desc, _amx_impl, _amx_twin, "uint16"),
+           AMX_ZERO_I32: (_zero_desc, _amx_cfg_zero_impl, _zero_twin, "int32"),
+           AMX_ZERO_F32: (_zero_desc, _amx_cfg_zero_impl, _zero_twin, "float32")}
 
 
 @functools.lru_cache(maxsize=1)
 def register() -> None:
-    """Register every intrinsic and its ``_ref`` twin (the description as implementation)."""
-    for base, (desc, impl, dtype) in _MAKERS.items():
+    """Register every intrinsic and its ``_ref`` twin."""
+    for base, (desc, impl, twin, dtype) in _MAKERS.items():
         d = desc(dtype)
         TensorIntrin.register(base, d, impl(dtype))
-        TensorIntrin.register(base + "_ref", d, d)
+        TensorIntrin.register(base + "_ref", d, twin(dtype))
 
 
 def name(intrin: str, reference: bool) -> str:
@@ -216,9 +310,9 @@ def amx_multiply(base: str, tiles: int, reference: bool) -> str:
 
 @functools.cache
 def _register_tiles(base: str, tiles: int) -> str:
-    desc, impl, dtype = _MAKERS[base]
+    desc, impl, twin, dtype = _MAKERS[base]
     full = f"{base}_x{tiles}"
     d = desc(dtype, tiles)
     TensorIntrin.register(full, d, impl(dtype, tiles))
-    TensorIntrin.register(full + "_ref", d, d)
+    TensorIntrin.register(full + "_ref", d, twin(dtype, tiles))
     return full

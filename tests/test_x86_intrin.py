@@ -1,11 +1,13 @@
 """blockpad's own x86 tensor intrinsics: their semantics on the host, and the instructions they
 compile to. VNNI runs for real where the CPU has avx512_vnni; AMX cannot run without AMX, so
-its schedule runs with the plain-loop twin of each intrinsic (same packing, blocking and
-accumulation order) and the real one is checked in the assembly."""
+its schedule runs with the plain-loop twin of each intrinsic (the instruction's arithmetic, under
+the same packing, blocking and accumulation order) and the real one is checked in the
+assembly."""
 
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from blockpad import machine
 from blockpad.schedules import x86_intrin as xi
 from tvm import te
@@ -13,9 +15,9 @@ from tvm import te
 M, N, K = 32, 48, 128
 
 
-def _int8_matmul(intrin_k):
-    """u8 X[M, K] x s8 W packed [N/16][K/k][16][k] -> s32 Y[M, N] (the VNNI packing)."""
-    x = te.placeholder((M, K), "uint8", name="X")
+def _int8_matmul(intrin_k, src="uint8"):
+    """u8 or s8 X[M, K] x s8 W packed [N/16][K/k][16][k] -> s32 Y[M, N] (the VNNI packing)."""
+    x = te.placeholder((M, K), src, name="X")
     w = te.placeholder((N // 16, K // intrin_k, 16, intrin_k), "int8", name="W")
     k = te.reduce_axis((0, K), "k")
     y = te.compute((M, N), lambda i, j: te.sum(
@@ -24,8 +26,8 @@ def _int8_matmul(intrin_k):
     return te.create_prim_func([x, w, y])
 
 
-def _vnni_schedule(reference):
-    sch = tvm.s_tir.Schedule(_int8_matmul(4))
+def _vnni_schedule(reference, src="uint8"):
+    sch = tvm.s_tir.Schedule(_int8_matmul(4, src))
     blk = sch.get_sblock("Y")
     i, j, k = sch.get_loops(blk)
     jo, ji = sch.split(j, [None, 16])
@@ -34,7 +36,7 @@ def _vnni_schedule(reference):
     sch.parallel(sch.fuse(i, jo))
     init = sch.decompose_reduction(blk, ko)
     sch.vectorize(sch.get_loops(init)[-1])
-    sch.tensorize(ji, xi.name(xi.VNNI, reference))
+    sch.tensorize(ji, xi.name(xi.VNNI if src == "uint8" else xi.VNNI_S8, reference))
     return sch.mod
 
 
@@ -77,9 +79,13 @@ def _run(mod, target, *arrays):
     return tensors[-1].numpy()
 
 
-def _data(rng, step, packing):
-    x = rng.integers(0, 255, (M, K)).astype("uint8")
-    w = rng.integers(-128, 127, (N, K)).astype("int8")
+def _data(rng, step, packing, src="uint8"):
+    """Full-range operands (u8 0..255 or s8 -128..127 by s8 -128..127): the widening, the
+    shift and the compensation must hold at the extremes."""
+    info = np.iinfo(src)
+    x = rng.integers(info.min, info.max + 1, (M, K)).astype(src)
+    w = rng.integers(-128, 128, (N, K)).astype("int8")
+    x[0, :4], w[0, :4] = info.min, -128
     want = x.astype(np.int32) @ w.astype(np.int32).T
     return x, packing(w), want
 
@@ -88,11 +94,38 @@ VNNI_PACK = lambda w: w.reshape(N // 16, 16, K // 4, 4).transpose(0, 2, 1, 3).co
 AMX_PACK = lambda w: w.T.reshape(K // 4, 4, N).transpose(0, 2, 1).copy()
 
 
-def test_vnni_reference_twin_equals_numpy(rng):
-    x, wp, want = _data(rng, 4, VNNI_PACK)
-    got = _run(_vnni_schedule(True), {"kind": "llvm", "mcpu": "x86-64-v3"}, x, wp,
+@pytest.mark.parametrize("src", ["uint8", "int8"])
+def test_vnni_reference_twin_equals_numpy(rng, src):
+    """The twin (vpdpbusd's arithmetic in plain loops; s8 shifted and compensated) under the
+    schedule, on this CPU, against numpy's int32 matmul."""
+    x, wp, want = _data(rng, 4, VNNI_PACK, src)
+    got = _run(_vnni_schedule(True, src), {"kind": "llvm", "mcpu": "x86-64-v3"}, x, wp,
                np.zeros((M, N), "int32"))
     assert np.array_equal(got, want)
+
+
+def test_the_twins_are_the_instructions_arithmetic_not_the_description():
+    """The twins registered as ``_ref`` are not the descriptions: the s8 twin computes the
+    +128 shift and its compensation, the AMX ones loop over the tile configuration."""
+    from tvm.s_tir import TensorIntrin
+
+    for base in (xi.VNNI_S8, xi.AMX_S8, xi.AMX_BF16, xi.AMX_ZERO_F32):
+        ref = TensorIntrin.get(xi.name(base, True))
+        assert not tvm_ffi.structural_equal(ref.desc, ref.impl), base
+    s8 = TensorIntrin.get(xi.name(xi.VNNI_S8, True)).impl.script()
+    assert "128" in s8 and "vpdpbusd" not in s8
+
+
+def test_a_corrupted_operand_is_caught(rng):
+    """One weight byte of the packed operand moved from -128 to 127: the twin's result moves
+    by exactly that column's products, and the comparison with numpy fails."""
+    x, wp, want = _data(rng, 4, VNNI_PACK, "int8")
+    wp[0, 0, 0, 0] = 127   # W[0, 0] (-128 in _data) as the kernel reads it
+    got = _run(_vnni_schedule(True, "int8"), {"kind": "llvm", "mcpu": "x86-64-v3"}, x, wp,
+               np.zeros((M, N), "int32"))
+    diff = got - want
+    assert not np.array_equal(got, want)
+    assert np.array_equal(diff[:, 0], 255 * x[:, 0].astype(np.int32)) and not diff[:, 1:].any()
 
 
 def test_vnni_compiles_to_vpdpbusd():
@@ -104,9 +137,10 @@ def test_vnni_compiles_to_vpdpbusd():
 
 @pytest.mark.skipif("avx512_vnni" not in machine.cpu_features(),
                     reason="this CPU has no avx512_vnni: the instruction cannot execute here")
-def test_vnni_runs_on_this_cpu(rng):
-    x, wp, want = _data(rng, 4, VNNI_PACK)
-    got = _run(_vnni_schedule(False), {"kind": "llvm", "mcpu": "cascadelake"}, x, wp,
+@pytest.mark.parametrize("src", ["uint8", "int8"])
+def test_vnni_runs_on_this_cpu(rng, src):
+    x, wp, want = _data(rng, 4, VNNI_PACK, src)
+    got = _run(_vnni_schedule(False, src), {"kind": "llvm", "mcpu": "cascadelake"}, x, wp,
                np.zeros((M, N), "int32"))
     assert np.array_equal(got, want)
 
