@@ -19,6 +19,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from blockpad.errors import BlockpadError, MissingCPUFeatureError, SpecError
+
 from . import generate, replay
 
 WORKER = (sys.executable, "-m", "blockpad.check.execute")   # reads a job on stdin
@@ -44,7 +46,8 @@ class Summary:
     def line(self) -> str:
         c = self.counts
         rest = ", ".join(f"{c[s]} {s}" for s in FAILURES[1:] if c[s])
-        return (f"{self.checked} cases on {self.target} (seed {self.seed}): {c['ok']} ok, "
+        n = self.checked
+        return (f"{n} case{'s' * (n != 1)} on {self.target} (seed {self.seed}): {c['ok']} ok, "
                 f"{c['wrong']} wrong, {c['crash'] + c['hang']} crashes"
                 f"{', ' + rest if rest else ''}; {self.guard_bytes} guard bytes written")
 
@@ -59,6 +62,8 @@ def check(target: str, cases: int = 100, seed: int = 0, ops=generate.OPS, only=N
     ops = tuple(ops)
     if spec is not None:
         given = spec_cases(spec)
+        if only is not None and only not in given:
+            raise SpecError(f"{spec}: has no case {only} (it has {', '.join(map(str, given))})")
         ks = [only] if only is not None else list(given)
         draw, what = given.__getitem__, f"{len(ks)} kernels of {spec}"
     else:
@@ -96,8 +101,6 @@ def spec_cases(path) -> dict:
     same data), the library's policy copied into entries that have none."""
     import re
     import tomllib
-
-    from blockpad.errors import SpecError
 
     try:
         with open(path, "rb") as f:
@@ -181,7 +184,6 @@ def _check_runnable(target: str) -> None:
     """Refuse, before building anything, a target whose kernels cannot run here."""
     from blockpad import machine
     from blockpad.codegen.targets import get_target
-    from blockpad.errors import BlockpadError, MissingCPUFeatureError
     from blockpad.testing import qemu
 
     t = get_target(target)                # an unknown target fails here, with the list
@@ -225,7 +227,6 @@ def _build(target, entries: dict, out_dir) -> tuple[list, list]:
     Returns ``([(lib_dir, [k...])...], [result of each case that failed to build])``."""
     import blockpad as bp
     from blockpad.codegen.spec import parse_spec
-    from blockpad.errors import SpecError
 
     ks = list(entries)
     try:
