@@ -96,8 +96,8 @@ class Faulty(execute.Native):
         super().__init__(lib_dir)
         self.fault = fault
 
-    def call(self, sig, mems):
-        super().call(sig, mems)
+    def call(self, sig, mems, path):
+        super().call(sig, mems, path)
         self.fault(*mems)
 
 
@@ -136,10 +136,16 @@ def _state(mem):
 def test_each_fault_is_reported(lib_dir, fault, found):
     result = execute.run_case(0, ENTRY, 0, Faulty(lib_dir, fault))
     if found is None:
-        assert result == {"case": 0, "status": "ok", "problems": [], "guard_bytes": 0}
+        assert (result["status"], result["problems"], result["guard_bytes"]) == ("ok", [], 0)
         return
     assert result["status"] == "wrong"
     assert any(found in p for p in result["problems"]), result["problems"]
+
+
+def test_every_call_path_is_checked(lib_dir):
+    results = [execute.run_case(k, ENTRY, 0, execute.Native(lib_dir)) for k in range(12)]
+    assert {r["status"] for r in results} == {"ok"}
+    assert {r["call"] for r in results} == set(execute.CALL_PATHS)
 
 
 FAKE_WORKER = """

@@ -149,7 +149,8 @@ class Run:
             return
         k = r["case"]
         cmd = replay.command(self.target, self.seed, k, self.ops, self.spec)
-        self.log(f"FAIL case {k} [{r['status']}] {describe(entry)}")
+        via = f" (called {r['call']})" if r.get("call") else ""
+        self.log(f"FAIL case {k} [{r['status']}] {describe(entry)}{via}")
         for p in r["problems"]:
             self.log("    " + p.strip().replace("\n", "\n    "))
         self.log(f"    replay: {cmd}")

@@ -14,6 +14,7 @@ pattern. Around one call:
   read-only buffers and must come back byte for byte;
 * destinations start as NaN everywhere (their padding zeroed when the memory is made under
   ``on_handle`` and ``user``, as those policies do);
+* the call is direct, bound (``Kernel.bind``) or queued on a ``Stream`` (native targets);
 * the destination's logical elements are compared with ``reference`` within its error bound;
   its padding must be zero wherever its state says ``clean``, its state must be ``clean``
   under the policies that promise it, and padding a policy promises to preserve must be.
@@ -37,6 +38,8 @@ from .reference import reference
 GUARD_BYTES = 256           # each side of every buffer; a multiple of the 64-byte alignment
 GUARD_PATTERN = np.frombuffer(bytes.fromhex("addec07f"), np.uint8)   # float32 NaN 0x7fc0dead
 PROMISE_CLEAN = ("dst_fused", "dst_stage", "on_handle", "user")
+# how a native kernel is called: each call path honours the padding contract on its own
+CALL_PATHS = ("direct", "bound", "stream")
 
 
 # ---- how a call is made: natively through the public API, or under qemu --------------------
@@ -55,8 +58,16 @@ class Native:
     def memory(self, sig, layout, buf, clean):
         return memory(sig, layout, buf, clean, self.lib)
 
-    def call(self, sig, mems):
-        self.lib[sig.name](*mems)
+    def call(self, sig, mems, path="direct"):
+        kernel = self.lib[sig.name]
+        if path == "bound":
+            kernel.bind(*mems)()
+        elif path == "stream":
+            from blockpad import Stream
+
+            kernel(*mems, stream=Stream()).wait()
+        else:
+            kernel(*mems)
 
 
 class Emulated:
@@ -77,7 +88,7 @@ class Emulated:
     def memory(self, sig, layout, buf, clean):
         return memory(sig, layout, buf, clean, None)
 
-    def call(self, sig, mems):
+    def call(self, sig, mems, path="direct"):
         from blockpad.runtime import padding
         from blockpad.testing import qemu
 
@@ -197,11 +208,12 @@ def run_case(k: int, entry: dict, seed: int, call) -> dict:
         args.append(a)
         mems.append(mem)
     problems = []
+    path = str(rng.choice(CALL_PATHS))
     try:
-        call.call(sig, mems)
+        call.call(sig, mems, path)
     except Exception as e:  # noqa: BLE001 - any failure of a valid call is a finding
         return {"case": k, "status": "raised", "problems": [f"{type(e).__name__}: {e}"],
-                "guard_bytes": 0}
+                "guard_bytes": 0, "call": path}
     guard = 0
     for a, mem in zip(args, mems):
         n = a.changed(a.outside)
@@ -216,7 +228,8 @@ def run_case(k: int, entry: dict, seed: int, call) -> dict:
         else:
             problems += _check_destination(a, mem, sig, entry, inputs)
     status = "ok" if not problems else "wrong"
-    return {"case": k, "status": status, "problems": problems, "guard_bytes": guard}
+    return {"case": k, "status": status, "problems": problems, "guard_bytes": guard,
+            "call": path}
 
 
 def _padding_bytes(layout) -> np.ndarray:
