@@ -20,6 +20,8 @@ from blockpad.testing import qemu
 
 SAMPLE_SEED = 16
 SAMPLE_CASES = 16
+NEEDS_QEMU = pytest.mark.skipif(bool(qemu.missing_tools()), reason="aarch64 toolchain / "
+                                "emulator not installed: " + "; ".join(qemu.missing_tools()))
 
 
 def test_fixed_seed_sample_on_host(tmp_path, capsys):
@@ -34,8 +36,7 @@ def test_fixed_seed_sample_on_host(tmp_path, capsys):
     assert not (tmp_path / "failures").exists()
 
 
-@pytest.mark.skipif(bool(qemu.missing_tools()), reason="aarch64 toolchain / emulator not "
-                    "installed: " + "; ".join(qemu.missing_tools()))
+@NEEDS_QEMU
 def test_fixed_seed_sample_on_neon_under_qemu(tmp_path):
     summary = driver.check("neon", cases=4, seed=SAMPLE_SEED, batch=4,
                            out=str(tmp_path / "failures"), log=lambda m: None)
@@ -146,6 +147,25 @@ def test_every_call_path_is_checked(lib_dir):
     results = [execute.run_case(k, ENTRY, 0, execute.Native(lib_dir)) for k in range(12)]
     assert {r["status"] for r in results} == {"ok"}
     assert {r["call"] for r in results} == set(execute.CALL_PATHS)
+
+
+@NEEDS_QEMU
+def test_under_qemu_the_harness_reports_stores_outside_the_buffers(tmp_path, monkeypatch):
+    """An aarch64 kernel runs on the harness's copies of the buffers: its guard bytes and
+    input comparison are what see an overrun there; the checker counts them."""
+    out = tmp_path / "neon"
+    bp.build({"kernel": [ENTRY]}, "neon", out, log=lambda m: None)
+    call = execute.Emulated(str(out))
+    assert execute.run_case(0, ENTRY, 0, call)["status"] == "ok"      # for real, under qemu
+
+    def overrun(lib_dir, calls):
+        raise qemu.QemuRunError("case0: call failed under qemu-aarch64 (rc=1): tvm_run: case0 "
+                                "wrote 3 guard bytes around tensor 1 (/tmp/1.bin)")
+
+    monkeypatch.setattr(qemu, "run_many", overrun)
+    result = execute.run_case(0, ENTRY, 0, call)
+    assert (result["status"], result["guard_bytes"]) == ("wrong", 3)
+    assert "wrote 3 guard bytes around tensor 1" in result["problems"][0]
 
 
 FAKE_WORKER = """

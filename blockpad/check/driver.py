@@ -227,13 +227,11 @@ def _build(target, entries: dict, out_dir) -> tuple[list, list]:
     """Build ``entries`` as one library; on failure, split until the failing ones are alone.
     Returns ``([(lib_dir, [k...])...], [result of each case that failed to build])``."""
     import blockpad as bp
-    from blockpad.codegen.spec import parse_spec
 
     ks = list(entries)
     try:
-        spec = parse_spec({"library": {"name": "check"},
-                           "kernel": [entries[k] for k in ks]}, "blockpad check")
-        bp.build(spec, target, out_dir, log=lambda m: None)
+        bp.build({"library": {"name": "check"}, "kernel": [entries[k] for k in ks]}, target,
+                 out_dir, log=lambda m: None)
         return [(out_dir, ks)], []
     except Exception as e:  # noqa: BLE001 - any build failure of a valid spec is a finding
         if len(ks) > 1:

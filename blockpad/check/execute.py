@@ -20,12 +20,14 @@ pattern. Around one call:
   under the policies that promise it, and padding a policy promises to preserve must be.
 
 On an aarch64 target the call runs under qemu-aarch64 (``blockpad.testing.qemu``), with the
-runtime's own padding steps (``runtime.padding``) around it; the harness copies each buffer's
-``alloc_len`` elements in and out, so guard regions there are checked on the copy only."""
+runtime's own padding steps (``runtime.padding``) around it. The harness runs the kernel on its
+own copies of the buffers, with guard bytes of its own around each and the inputs compared
+after the call: a store outside a buffer or into a source is reported from there."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import traceback
 
@@ -99,9 +101,25 @@ class Emulated:
         stage = contract.get("dst_stage") if contract else None
         written = [m for m, a in zip(mems, sig.args) if a[1] != "in"]
         calls += [(stage, [m]) for m in written if stage]
-        qemu.run_many(self.dir, calls)
+        try:
+            qemu.run_many(self.dir, calls)
+        except qemu.QemuRunError as e:
+            # the harness keeps guard bytes around every buffer and compares inputs
+            m = re.search(r"wrote (\d+) guard bytes|changed its input", str(e))
+            if m:
+                raise Overrun(str(e), int(m[1] or 0)) from None
+            raise
         for m in written:
             padding.after_call(contract, sources, m, None)
+
+
+class Overrun(Exception):
+    """A store outside an argument's buffer or into a source, seen by the qemu harness
+    (``tvm_run.c``), which runs the kernel on its own copies of the buffers."""
+
+    def __init__(self, message: str, guard_bytes: int):
+        super().__init__(message)
+        self.guard_bytes = guard_bytes
 
 
 def memory(sig, layout, buf, clean, library):
@@ -211,6 +229,9 @@ def run_case(k: int, entry: dict, seed: int, call) -> dict:
     path = str(rng.choice(CALL_PATHS))
     try:
         call.call(sig, mems, path)
+    except Overrun as e:
+        return {"case": k, "status": "wrong", "problems": [str(e)],
+                "guard_bytes": e.guard_bytes, "call": path}
     except Exception as e:  # noqa: BLE001 - any failure of a valid call is a finding
         return {"case": k, "status": "raised", "problems": [f"{type(e).__name__}: {e}"],
                 "guard_bytes": 0, "call": path}
