@@ -401,7 +401,8 @@ def test_fallback_to_numpy_without_any_kernel(tmp_path, rng):
     xv, yv = arr(rng, S), arr(rng, S)
     res = g.run(x=xv, y=yv)
     assert set(res.report.fallbacks.values()) == {"numpy"}
-    assert np.allclose(res["softmax_0"].numpy(), softmax({"axis": 1}, np.maximum(xv, 0) + yv), atol=1e-6)
+    assert np.allclose(res["softmax_0"].numpy(), softmax({"axis": 1}, np.maximum(xv, 0) + yv),
+                       atol=1e-6)
 
 
 def test_fallback_uses_a_prebuilt_plain_library(tmp_path, rng):
