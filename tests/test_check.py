@@ -65,7 +65,7 @@ def test_every_drawn_case_is_a_valid_spec(target):
     assert any(e.get("inplace") for e in entries)
     assert {p["kind"] for e in entries for p in e.get("post_ops", [])} == {"bias", "eltwise", "sum"}
     assert {e["dtype"] for e in entries if e["op"] == "conv2d"} == \
-        {"float32", "int8", "uint8", "bfloat16"}
+        {"float32", "int8", "uint8", "bfloat16", "float16", "float64"}
     assert any(isinstance(e.get("dst"), dict) and "strides" in e["dst"] for e in entries)
     assert any(isinstance(e.get("src"), dict) and "paddings" in e["src"] for e in entries)
 

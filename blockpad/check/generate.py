@@ -43,15 +43,16 @@ GENERIC = "abcdef"
 
 class Profile:
     """What a target's kernels are drawn with: block sizes its vectors like, the dot-product
-    dtypes it computes."""
+    dtypes it computes (repeated: drawn that much more often)."""
 
     def __init__(self, blocks, dot_dtypes):
         self.blocks = blocks
         self.dot_dtypes = dot_dtypes
 
 
-_X86 = Profile((4, 8, 16), ("float32", "float32", "int8", "uint8", "bfloat16"))
-_ARM = Profile((4, 8), ("float32", "float32", "int8", "uint8", "bfloat16"))
+_DOT = ("float32", "float32", "float32", "int8", "uint8", "bfloat16", "float16", "float64")
+_X86 = Profile((4, 8, 16), _DOT)
+_ARM = Profile((4, 8), _DOT)
 PROFILES = {"host": _X86, "avx512": _X86, "avx512-vnni": _X86, "amx": _X86, "neon": _ARM,
             "neon-dotprod": _ARM}
 

@@ -137,9 +137,14 @@ def conv(x, w, entry):
     return np.concatenate(out, axis=1)
 
 
+# a dot product's (accumulator, destination) types by source type (oneDNN's, conv2d's doc)
+DOT_TYPES = {"float64": ("float64", "float64"), "float16": ("float32", "float16")}
+
+
 def dot(entry, t):
     """conv2d and matmul: the product in int64 or float64, the output scale, then the post-op
-    chain in order, each step in float32 (the kernels' accumulator type)."""
+    chain in order, each step in the accumulator's type (float32 but for float64 sources),
+    rounded to the destination's at the store."""
     x, w = _wide(t["src"]), _wide(t["weights"])
     if entry["op"] == "matmul":
         acc, absacc = x @ w, np.abs(x) @ np.abs(w)
@@ -149,7 +154,8 @@ def dot(entry, t):
         # products per output: C/G x KH x KW (weights (K, C, KH, KW) or (G, K/G, C/G, KH, KW))
         terms = t["weights"][0].size if entry["groups"] == 1 else t["weights"][0, 0].size
         channel = (slice(None), None, None)
-    u = UNIT["float32"]
+    acc_type, dst_type = DOT_TYPES.get(t["src"].dtype.name, ("float32", "float32"))
+    u = UNIT[acc_type]
     v = acc.astype(np.float64)
     if "scale" in t:            # integer: exact int32 sum, rounded to float32, scaled
         v = v * t["scale"].astype(np.float64)[channel]
@@ -165,7 +171,7 @@ def dot(entry, t):
             bound = bound + 2 * u * np.abs(v)
         else:
             v, bound = through(eltwise_fn(p), v, bound, u)
-    return v, bound + u * np.abs(v)
+    return v, bound + UNIT[dst_type] * np.abs(v)
 
 
 REFERENCES = {"reorder": reorder, "eltwise": eltwise, "binary": binary, "softmax": softmax,
