@@ -278,7 +278,7 @@ def test_network_matches_pytorch_and_onnxruntime(name, batch, tmp_path):
         want = net(torch.from_numpy(x)).numpy()
     from_ort = ort.InferenceSession(str(path)).run(None, {"input": x})[0]
     build_model(path, "native", tmp_path / "bp", log=lambda m: None)
-    got = bp.load(tmp_path / "bp")(x)
+    got = bp.load(tmp_path / "bp")(torch.from_numpy(x))        # a DLPack tensor in
     assert got.shape == want.shape
     assert _relative_error(got, want) <= 1e-4
     assert _relative_error(got, from_ort) <= 1e-4
