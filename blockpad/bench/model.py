@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,13 +30,15 @@ CONTENDERS = ("blockpad", "torch NCHW", "torch channels_last", "onnxruntime")
 OUT = os.path.join("build", "bench_model")
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
-
-
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _status_mib(field) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of this process, in MiB. Not
+    ``getrusage``: Linux carries ``ru_maxrss`` across exec, so a child would report its
+    parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 # ---- one contender, in its own process ---------------------------------------------------------
@@ -79,9 +80,9 @@ def child(args) -> dict:
     parent's spawn (``args.t0``, wall clock) to the first result: interpreter start, imports,
     loading and the first inference."""
     x = np.load(args.input)
-    rss0 = _rss_mib()
+    rss0 = _status_mib("VmRSS")
     run, net = _contender(args.child, args, x)
-    rss_loaded = _rss_mib()
+    rss_loaded = _status_mib("VmRSS")
     y = run()
     first = time.time() - args.t0
     np.save(args.output, y)
@@ -94,7 +95,7 @@ def child(args) -> dict:
         times.append((time.perf_counter() - t0) / n)
     out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
            "first_s": first, "rss_before_mib": rss0, "rss_loaded_mib": rss_loaded,
-           "peak_mib": _peak_mib()}
+           "peak_mib": _status_mib("VmHWM")}
     if args.child == "blockpad":
         report = net.run(x).report
         steps = step_times(net.graph, {next(iter(net.inputs)): x})
