@@ -233,14 +233,19 @@ def test_classifier_head(cache):
         node("Gemm", ["drop", "fw", "fb"], "logits", transB=1, alpha=0.5, beta=2.0),
         node("Identity", ["logits"], "same"),
         node("Softmax", ["same"], "probs", axis=1),
-        node("Reshape", ["gap", "shape"], "flat2"),
+        node("GlobalAveragePool", ["c"], "gap2"),
+        node("Reshape", ["gap2", "shape"], "flat2"),
         node("MatMul", ["flat2", "mw"], "mm"),
         node("Softmax", ["mm"], "mm_probs"),
     ]
-    m = model(nodes, {"x": (7, 6, 6)}, ["logits", "probs", "mm", "mm_probs"], inits)
+    m = model(nodes, {"x": (7, 6, 6)}, ["gap", "logits", "probs", "mm", "mm_probs"], inits)
     m.graph.initializer[3].CopyFrom(numpy_helper.from_array(np.array([0, -1], np.int64),
                                                              "shape"))
-    check(m, {"x": (7, 6, 6)}, cache=cache)
+    g = check(m, {"x": (7, 6, 6)}, cache=cache)
+    # gap is a result too: its Flatten copies; gap2 has one reader: its Reshape is an alias
+    steps = g.plan(x=np.zeros((2, 7, 6, 6), np.float32)).steps
+    assert [s.node.name for s in steps if s.node is not None and s.node.op == "reshape"] == \
+        ["Flatten:flat"]
 
 
 # ---- every policy, the same numbers -----------------------------------------------------------
@@ -316,3 +321,32 @@ def test_refused_before_compiling_and_opsets():
     sym = model([node("Relu", ["x"], "y")], {"x": (4, 6, 6)}, ["y"])
     with pytest.raises(UnsupportedModelError, match="input_shapes"):
         bp.Graph.from_onnx(sym, cache=_NoCompiler())
+
+
+# ---- the op parameters behind the import, in a build spec -------------------------------------
+
+def test_spec_pad_forms_and_ceil_mode():
+    """Per-side pads and ceil_mode are spec parameters: a symmetric per-side pad is recorded
+    as the pair form (so a graph's request matches either); bad forms are SpecErrors."""
+    from blockpad.codegen.build import make_kernels
+    from blockpad.codegen.spec import parse_spec
+
+    def conv(pad, **kw):
+        entry = {"op": "conv2d", "shape": [1, 5, 7, 7], "channels": 4, "kernel": [3, 3],
+                 "pad": pad, "src": "nChw8c", "weights": "OIhw8i8o", "dst": "nChw8c", **kw}
+        return parse_spec({"kernel": [entry]}).kernels[0]
+
+    assert make_kernels(conv([[1, 1], [2, 2]]))[0].params["pad"] == [1, 2]
+    asym = conv([[0, 2], [1, 0]])
+    assert make_kernels(asym)[0].params["pad"] == [[0, 2], [1, 0]]
+    assert asym.layout["dst"].shape == (1, 4, 7, 6)
+    for bad in ([[1], [2]], [1, 2, 3], [[1, -1], [0, 0]], "1"):
+        with pytest.raises(bp.SpecError, match="pad"):
+            conv(bad)
+    pool = {"op": "pool", "shape": [1, 5, 7, 7], "kernel": [2, 2], "src": "nchw",
+            "dst": "nchw"}
+    assert parse_spec({"kernel": [{**pool, "ceil_mode": True}]}).kernels[0] \
+        .layout["dst"].shape == (1, 5, 4, 4)
+    assert parse_spec({"kernel": [pool]}).kernels[0].layout["dst"].shape == (1, 5, 3, 3)
+    with pytest.raises(bp.SpecError, match="ceil_mode"):
+        parse_spec({"kernel": [{**pool, "ceil_mode": 1}]})
