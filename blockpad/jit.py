@@ -18,8 +18,8 @@ def compile_kernels(entries, policy, target, out_dir) -> None:
     """Build the spec ``entries`` (build-spec kernel tables) for ``target`` into ``out_dir``,
     as one library under ``policy`` (None: the default policy)."""
     from blockpad.codegen.build import build
-    from blockpad.codegen.policy import DEFAULT_POLICY
     from blockpad.codegen.spec import parse_spec
+    from blockpad.vocabulary import DEFAULT_POLICY
 
     doc = {"library": {"name": "jit", "policy": policy or DEFAULT_POLICY},
            "kernel": [dict(e) for e in entries]}

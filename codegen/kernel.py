@@ -8,11 +8,10 @@ import tvm_ffi
 from tvm import te, tirx
 
 from blockpad.layout import Layout
+from blockpad.vocabulary import OP_ATTR
 
 #: Element types whose arithmetic LLVM does not need for data movement: moved as raw bits.
 _BIT_STORAGE = {"bfloat16": "uint16"}
-
-OP_ATTR = "blockpad.op"
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from blockpad.errors import SpecError
-
-POLICIES = ("on_handle", "dst_fused", "dst_stage", "src", "tracked", "user")
-DEFAULT_POLICY = "dst_fused"
+from blockpad.vocabulary import POLICIES
 
 # How the destination's padding is written:
 #   "full"   compute over the padded extents; the op's own arithmetic leaves zeros there

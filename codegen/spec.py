@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 from blockpad.errors import BlockpadError, SpecError
 from blockpad.layout import Layout
+from blockpad.vocabulary import DEFAULT_POLICY
 
 from .kernel import check_inplace
 from .ops import OPS
-from .policy import DEFAULT_POLICY, check_policy
+from .policy import check_policy
 
 _SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "s64",
           "int32": "s32", "int16": "s16", "int8": "s8", "uint64": "u64", "uint32": "u32",

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from blockpad import manifest as mf
 from blockpad.errors import BlockpadError
 from blockpad.layout import Layout
+from blockpad.vocabulary import with_defaults
 
 from .library import Kernel, Library, load
 
@@ -91,17 +92,12 @@ def _norm(value):
     return value
 
 
-_POST_OP_DEFAULTS = {"eltwise": {"algorithm": "relu", "alpha": 0.0, "beta": 0.0},
-                     "sum": {"scale": 1.0}, "bias": {}}
-
-
 def canonical_post_ops(chain) -> tuple:
     """A post-op chain with the generator's defaults filled in, values as floats: two spellings
     of the same chain compare equal."""
     out = []
     for p in chain or ():
-        p = dict(p)
-        full = {**_POST_OP_DEFAULTS.get(p.get("kind"), {}), **p}
+        full = with_defaults(p)
         out.append(_norm({k: float(v) if isinstance(v, int) and k in ("alpha", "beta", "scale")
                           else v for k, v in full.items()}))
     return tuple(out)

@@ -52,6 +52,7 @@ import numpy as np
 
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, dtype_name, numpy_dtype, pad_sides
+from blockpad.vocabulary import DEFAULT_POLICY, POLICIES, POST_OP_DEFAULTS, with_defaults
 
 from . import counters
 from .cache import KernelCache, Request, default_cache
@@ -59,8 +60,6 @@ from .graph_ops import ELTWISE, GRAPH_OPS, plain
 from .memory import CLEAN, UNKNOWN, Memory, aligned_empty
 from .padding import zero_pad
 from .passes import InplaceResult, Node, fuse_post_ops, inplace_pass
-
-POLICIES = ("on_handle", "dst_fused", "dst_stage", "src", "tracked", "user")
 
 
 class Tensor:
@@ -199,7 +198,7 @@ class Graph:
                  fuse=("eltwise",), name="graph"):
         libraries = list(libraries)
         if policy is None:
-            policy = next((lib.policy for lib in libraries if lib.policy), "dst_fused")
+            policy = next((lib.policy for lib in libraries if lib.policy), DEFAULT_POLICY)
         if policy not in POLICIES:
             raise ArgumentError(f"policy: expected one of {', '.join(POLICIES)}; got {policy!r}")
         if layouts not in ("blocked", "plain"):
@@ -717,20 +716,18 @@ def _pair(v):
 
 def _post_op(p):
     if isinstance(p, str):
-        if p in ("bias", "sum"):
-            return {"kind": p} if p == "bias" else {"kind": "sum", "scale": 1.0}
         if p in ELTWISE:
-            return {"kind": "eltwise", "algorithm": p, "alpha": 0.0, "beta": 0.0}
-        raise ArgumentError(f"post-op {p!r}: expected bias, sum or an eltwise algorithm")
-    p = dict(p)
-    if p.get("kind") == "eltwise":
-        p = {"algorithm": "relu", "alpha": 0.0, "beta": 0.0, **p}
-        p["alpha"], p["beta"] = float(p["alpha"]), float(p["beta"])
-    elif p.get("kind") == "sum":
-        p = {"scale": 1.0, **p}
-        p["scale"] = float(p["scale"])
-    elif p.get("kind") != "bias":
+            p = {"kind": "eltwise", "algorithm": p}
+        elif p in ("bias", "sum"):
+            p = {"kind": p}
+        else:
+            raise ArgumentError(f"post-op {p!r}: expected bias, sum or an eltwise algorithm")
+    if p.get("kind") not in POST_OP_DEFAULTS:
         raise ArgumentError(f"post-op {p!r}: kind must be bias, eltwise or sum")
+    p = with_defaults(p)
+    for k in ("alpha", "beta", "scale"):
+        if k in p:
+            p[k] = float(p[k])
     return p
 
 

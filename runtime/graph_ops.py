@@ -16,6 +16,7 @@ import numpy as np
 
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
+from blockpad.vocabulary import with_defaults
 
 from .cache import Request
 
@@ -259,14 +260,13 @@ def conv_ref(x, w, bias=None, stride=(1, 1), pad=(0, 0), dilation=(1, 1), groups
                 win = xs[:, :, h0:h0 + stride[0] * (oh - 1) + 1:stride[0],
                          w0:w0 + stride[1] * (ow - 1) + 1:stride[1]]
                 out[:, g * kg:(g + 1) * kg] += np.einsum("nchw,kc->nkhw", win, ws[:, :, i, j])
-    for p in post_ops:
+    for p in map(with_defaults, post_ops):
         if p["kind"] == "bias":
             out += bias.astype(np.float64).reshape(1, -1, 1, 1)
         elif p["kind"] == "sum":
-            out += p.get("scale", 1.0) * sum_input.astype(np.float64)
+            out += p["scale"] * sum_input.astype(np.float64)
         else:
-            out = eltwise_ref(out, p.get("algorithm", "relu"), p.get("alpha", 0.0),
-                              p.get("beta", 0.0))
+            out = eltwise_ref(out, p["algorithm"], p["alpha"], p["beta"])
     return out
 
 

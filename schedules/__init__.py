@@ -10,6 +10,7 @@ import tvm
 
 from . import (arm, cpu_reduction, cuda, cuda_conv, cuda_reduction, data_movement, generic,
                register_tiled, x86_tensorized)
+from .common import op_of
 from .elementwise import Elementwise
 from .vector_math import VectorMath
 
@@ -28,4 +29,4 @@ def schedule(func: tvm.tirx.PrimFunc, target) -> tvm.tirx.PrimFunc:
         if sch is not None:
             return sch.mod["main"]
     raise NotImplementedError(f"no {target.family} schedule rule takes op "
-                              f"{func.attrs.get('blockpad.op')!r}")
+                              f"{op_of(func)!r}")

@@ -3,10 +3,12 @@
 import tvm_ffi
 from tvm import tirx
 
+from blockpad.vocabulary import OP_ATTR
+
 
 def op_of(func) -> str | None:
     """The blockpad op a PrimFunc implements (set by codegen.kernel.finish)."""
-    return func.attrs.get("blockpad.op") if func.attrs is not None else None
+    return func.attrs.get(OP_ATTR) if func.attrs is not None else None
 
 
 def vector_lanes(target, dtype: str) -> int:

@@ -36,12 +36,13 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.sym.analyzer import Analyzer
 
+from blockpad.vocabulary import ACC, DST, EXP, MAX, NORM, SOFTMAX_STAGES, SUM
+
 from .common import op_of, vector_lanes
 from .data_movement import SERIAL_BYTES
 
 TILE_BYTES = 64 << 10    # softmax rows computed together: their source stays in L2 between passes
 SPATIAL, REDUCE = 0, 2   # IterVar types
-STAGES = ("max", "exp", "sum", "norm")   # softmax's stages before dst, in order
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
@@ -73,13 +74,13 @@ class Pool:
 
 
 def _softmax(sch, lanes) -> bool:
-    dst = sch.get_sblock("dst")
-    if not any(r.source.name == "exp" for r in sch.get(dst).reads):
-        sch.compute_inline(sch.get_sblock("exp"))   # log-softmax: the sum is its only reader
-    stages = [name for name in STAGES if _has_block(sch, name)]
+    dst = sch.get_sblock(DST)
+    if not any(r.source.name == EXP for r in sch.get(dst).reads):
+        sch.compute_inline(sch.get_sblock(EXP))   # log-softmax: the sum is its only reader
+    stages = [name for name in SOFTMAX_STAGES if _has_block(sch, name)]
     loops = sch.get_loops(dst)
     extents = [int(sch.get(l).extent) for l in loops]
-    row_vars = _vars(r.min for r in _read_of(sch, dst, "norm").region)
+    row_vars = _vars(r.min for r in _read_of(sch, dst, NORM).region)
     is_row = [any(v.same_as(iv.var) for v in row_vars) for iv in sch.get(dst).iter_vars]
     if all(is_row) or not any(is_row):
         return False
@@ -97,7 +98,7 @@ def _softmax(sch, lanes) -> bool:
     if not outer:
         return False
     rf = {}   # reduction stage -> its partial results per lane, when vectors run along the axis
-    for name in ("max", "sum"):
+    for name in (MAX, SUM):
         block = sch.get_sblock(name)
         strides = _strides(sch, block)
         contiguous = min(range(len(strides)), key=lambda i: strides[i])
@@ -128,7 +129,7 @@ def _softmax(sch, lanes) -> bool:
     return True
 
 def _pool(sch, lanes) -> bool:
-    acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
+    acc, dst = sch.get_sblock(ACC), sch.get_sblock(DST)
     *outer, inner = sch.get_loops(dst)
     if not outer:
         return False
@@ -207,7 +208,7 @@ def _store_padding_back(func):
     allocation (undefined behaviour LLVM exploits: it wrote the padding)."""
     def rewrite(realize):
         block, pred = realize.block, realize.predicate
-        if block.name_hint != "dst" or isinstance(pred, tirx.IntImm):
+        if block.name_hint != DST or isinstance(pred, tirx.IntImm):
             return realize
         store = block.body
         # unscheduled TE: the block binds one loop var per iter var

@@ -39,6 +39,8 @@ import tvm
 import tvm_ffi
 from tvm import s_tir
 
+from blockpad.vocabulary import ACC, DST
+
 from .common import op_of
 from .cuda import (TENSOR_CORE_MIN, bind_spatial, dlight_style, loop_depth, pow2_above,
                    predicated_schedule, uses)
@@ -92,7 +94,7 @@ def _tensor_core_gemm(func) -> bool:
 
     blocks = []
     tvm_ffi.structural_walk(func, (s_tir.SBlock, lambda b: blocks.append(b)
-                                   if b.name_hint == "acc" else None))
+                                   if b.name_hint == ACC else None))
     if len(blocks) != 1 or any(str(r.source.dtype) not in TENSOR_CORE_SOURCES
                                for r in blocks[0].reads):
         return False
@@ -146,7 +148,7 @@ class _Roles:
 
 
 def _conv(sch) -> bool:
-    acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
+    acc, dst = sch.get_sblock(ACC), sch.get_sblock(DST)
     for block in root_blocks(sch):
         if sch.get(block).name_hint.endswith("_extended"):
             sch.compute_inline(block)       # per-channel scale / bias: read in the epilogue

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import math
 
+from blockpad.vocabulary import ACC, DST, EXP, MAX, NORM, SUM
+
 from .common import op_of
 from .cuda import THREADS, bind_spatial, loop_depth, pow2_above, predicated_schedule, uses
 
@@ -56,7 +58,7 @@ class Pool:
 
 
 def _pool(sch):
-    dst, acc = sch.get_sblock("dst"), sch.get_sblock("acc")
+    dst, acc = sch.get_sblock(DST), sch.get_sblock(ACC)
     bind_spatial(sch, dst)
     sch.set_scope(acc, 0, "local")
     sch.compute_at(acc, sch.get_loops(dst)[-1])
@@ -65,13 +67,13 @@ def _pool(sch):
 
 
 def _softmax(sch):
-    dst = sch.get_sblock("dst")
+    dst = sch.get_sblock(DST)
     rows, axis = _rows_and_axis(sch, dst)
     extent = {id(l): int(sch.get(l).extent) for l in (*rows, *axis)}
     lanes = min(THREADS, pow2_above(math.prod(extent[id(l)] for l in axis)))
     ty = min(THREADS // lanes, pow2_above(extent[id(rows[-1])]))
     if not _keeps_exp(sch, dst, ty * lanes * -(-math.prod(extent[id(l)] for l in axis) // lanes)):
-        sch.compute_inline(sch.get_sblock("exp"))
+        sch.compute_inline(sch.get_sblock(EXP))
     sch.reorder(*rows, *axis)
     outer, ry = sch.split(rows[-1], [None, ty])
     bx = sch.fuse(*rows[:-1], outer) if len(rows) > 1 else outer
@@ -81,10 +83,10 @@ def _softmax(sch):
     sch.bind(bx, "blockIdx.x")
     sch.bind(ry, "threadIdx.y")
     sch.bind(ax, "threadIdx.x")
-    norm = sch.get_sblock("norm")
+    norm = sch.get_sblock(NORM)
     sch.set_scope(norm, 0, "local")
     sch.compute_at(norm, ax)
-    for name in ("sum", "exp", "max"):
+    for name in (SUM, EXP, MAX):
         if _has_block(sch, name):
             _row_stage(sch, sch.get_sblock(name), bx, lanes)
 
@@ -118,7 +120,7 @@ def _rows_and_axis(sch, block, loops=None):
     order (a fresh TE nest, or its loops under a ``compute_at``)."""
     loops = loops if loops is not None else sch.get_loops(block)
     b = sch.get(block)
-    stats = [r for r in b.reads if r.source.name in ("max", "norm")]
+    stats = [r for r in b.reads if r.source.name in (MAX, NORM)]
     ivs = b.iter_vars[len(b.iter_vars) - len(loops):]
     row = [any(uses(x.min, iv.var) for r in stats for x in r.region) for iv in ivs]
     return ([l for l, r in zip(loops, row) if r], [l for l, r in zip(loops, row) if not r])
@@ -127,9 +129,9 @@ def _rows_and_axis(sch, block, loops=None):
 def _keeps_exp(sch, dst, tile) -> bool:
     """Whether ``exp`` stays a stage (in shared memory): ``dst`` reads it, it is laid out like
     ``dst`` (so the rows and lanes of one split cover both), and a block's tile fits."""
-    if not _has_block(sch, "exp"):
+    if not _has_block(sch, EXP):
         return False
-    reads = [r.source for r in sch.get(dst).reads if r.source.name == "exp"]
+    reads = [r.source for r in sch.get(dst).reads if r.source.name == EXP]
     if not reads:
         return False
     out = sch.get(dst).writes[0].source

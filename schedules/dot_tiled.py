@@ -51,6 +51,8 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.sym.analyzer import Analyzer
 
+from blockpad.vocabulary import ACC, DST
+
 from .common import divisor_at_most, is_true, op_of
 from .generic import root_blocks, spatial_parallel_vectorize
 from .nest import substitute, uses
@@ -187,13 +189,13 @@ def schedule(func, target, tile):
     None where the nest is not a dot product it takes (or a primitive refuses it)."""
     sch = s_tir.Schedule(func)
     try:
-        acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
+        acc, dst = sch.get_sblock(ACC), sch.get_sblock(DST)
     except s_tir.ScheduleError:
         return None
     nest = DotShape(sch, acc)
     if not nest.ok or len(sch.get_loops(dst)) != nest.n_sp:
         return None
-    stages = [b for b in root_blocks(sch) if sch.get(b).name_hint not in ("acc", "dst")]
+    stages = [b for b in root_blocks(sch) if sch.get(b).name_hint not in (ACC, DST)]
     try:
         if not tile(sch, acc, dst, nest):
             return None
@@ -288,7 +290,7 @@ def pad_dot(func, lanes):
     needed or the nest is not such a dot product (the rule then declines it)."""
     sch = s_tir.Schedule(func)
     try:
-        nest = DotShape(sch, sch.get_sblock("acc"))
+        nest = DotShape(sch, sch.get_sblock(ACC))
     except s_tir.ScheduleError:
         return func
     if not nest.ok:
@@ -324,7 +326,7 @@ def _read_padded(body, src, extra):
     pad = tirx.decl_buffer(shape, src.dtype, "src_pad")
 
     def reread(block):
-        if block.name_hint != "acc":
+        if block.name_hint != ACC:
             return block
         swap = (tirx.Var, lambda b: pad if b.same_as(src) else b)   # buffers are Vars
         return tvm_ffi.structural_map(block, swap)
@@ -362,10 +364,10 @@ def _grow_acc(body, nest, grow):
     old = nest.acc
     new = old
     if j in grow:
-        new = tirx.decl_buffer([*old.shape[:-1], int(old.shape[-1]) + grow[j]], old.dtype, "acc")
+        new = tirx.decl_buffer([*old.shape[:-1], int(old.shape[-1]) + grow[j]], old.dtype, ACC)
 
     def block(b):
-        if b.name_hint != "acc":
+        if b.name_hint != ACC:
             return b
         ivs = [tirx.IterVar(tvm.ir.Range(0, nest.extents[i] + grow.get(i, 0)), iv.var,
                             iv.iter_type) for i, iv in enumerate(b.iter_vars)]
@@ -393,7 +395,7 @@ def lift_weight_guard(func, lanes):
     buffer."""
     sch = s_tir.Schedule(func)
     try:
-        nest = DotShape(sch, sch.get_sblock("acc"))
+        nest = DotShape(sch, sch.get_sblock(ACC))
     except s_tir.ScheduleError:
         return func
     if not nest.ok or nest.wei_guard is None or _lane_uniform(nest, lanes) \
@@ -406,9 +408,9 @@ def lift_weight_guard(func, lanes):
         return call.args[1] if call.same_as(guard) else call
 
     def block(b):
-        if b.name_hint == "acc":
+        if b.name_hint == ACC:
             return _with_body(b, tvm_ffi.structural_map(b.body, (tvm.ir.expr.Call, unguard)))
-        if b.name_hint != "dst":
+        if b.name_hint != DST:
             return b
 
         def guarded(load):

@@ -11,6 +11,8 @@ import tvm_ffi
 from tvm import s_tir, te, tirx
 from tvm.sym.analyzer import Analyzer
 
+from blockpad.vocabulary import ACC
+
 _IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 
 
@@ -23,7 +25,7 @@ def staged_source(func):
     not change. ``func`` itself if it has no such reads."""
     realizes = []
     tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
-    acc = next((r.block for r in realizes if r.block.name_hint == "acc"), None)
+    acc = next((r.block for r in realizes if r.block.name_hint == ACC), None)
     if acc is None:
         return func
     calls = []
@@ -73,7 +75,7 @@ def staged_source(func):
 
     def swap_block(realize):
         blk = realize.block
-        if blk.name_hint != "acc":
+        if blk.name_hint != ACC:
             return realize
         body = tvm_ffi.structural_map(blk.body, (tvm.ir.expr.Call, swap_call))
         reads = [tirx.BufferRegion(staged, [tvm.ir.Range.from_min_extent(r.min + a, r.extent)

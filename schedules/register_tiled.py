@@ -52,6 +52,8 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.sym.analyzer import Analyzer
 
+from blockpad.vocabulary import ACC, DST
+
 from .common import is_true, op_of, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source
@@ -140,7 +142,7 @@ def _schedule(func, target, cfg: Config, tails=False):
     hot loop (columns past the end that no source pads, which TVM scalarises) unless
     ``tails``, or where a primitive refuses the nest. Rows and columns that whole tiles do not
     cover are, where that pays, kernels of their own (``_edge_parts``)."""
-    func, parts = _edge_parts(staged_source(_unpredicated(func, "acc")), cfg)
+    func, parts = _edge_parts(staged_source(_unpredicated(func, ACC)), cfg)
     whole = True
     for i, (acc, dst, c) in enumerate(parts):
         func, part_whole = _whole_tiles(func, acc, c.mr, c.nr)
@@ -176,14 +178,14 @@ def _edge_parts(func, cfg: Config):
       fall back to one vector (25% at 1000^3). A panel that overhangs by whole vectors
       (1000 = 62 x 16 + 8 on AVX2) keeps them: their predicate is the same for every lane, the
       stores stay vector stores."""
-    parts = [("acc", "dst", cfg)]
-    rows = _extent(func, "dst", 2)
+    parts = [(ACC, DST, cfg)]
+    rows = _extent(func, DST, 2)
     if cfg.mr > CLAMPED_ROWS and rows > cfg.mr and rows % cfg.mr:
-        func = _cut(func, "acc", "dst", 2, rows // cfg.mr * cfg.mr, "_rows")
+        func = _cut(func, ACC, DST, 2, rows // cfg.mr * cfg.mr, "_rows")
         parts.append(("acc_rows", "dst_rows", dataclasses.replace(cfg, mr=rows % cfg.mr)))
-    cols = _extent(func, "dst", 1)
+    cols = _extent(func, DST, 1)
     if cfg.nr < cols and cols % cfg.nr and (
-            cols % cfg.lanes or not _whole_tiles(func, "acc", cfg.mr, cfg.nr)[1]):
+            cols % cfg.lanes or not _whole_tiles(func, ACC, cfg.mr, cfg.nr)[1]):
         for acc, dst, c in list(parts):
             func = _cut(func, acc, dst, 1, cols // cfg.nr * cfg.nr, "_cols")
             nr = -(-(cols % cfg.nr) // cfg.lanes) * cfg.lanes
@@ -204,7 +206,7 @@ def _nest_shape(func):
     destination stage is predicated) or None if the nest is not the kernel's shape."""
     sch = s_tir.Schedule(func)
     try:
-        acc, dst = sch.get_sblock("acc"), sch.get_sblock("dst")
+        acc, dst = sch.get_sblock(ACC), sch.get_sblock(DST)
     except s_tir.ScheduleError:
         return None
     block = sch.get(acc)

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import tvm
 
+from blockpad.vocabulary import OP_ATTR
+
 from . import RULES
 from .common import op_of
 
 #: Attributes that name a kernel rather than describe its computation: a record must match the
 #: same computation whatever the kernel is called.
-NAMING_ATTRS = ("global_symbol", "blockpad.op")
+NAMING_ATTRS = ("global_symbol", OP_ATTR)
 
 
 def workload(func: tvm.tirx.PrimFunc) -> tvm.IRModule:

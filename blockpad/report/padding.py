@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 import blockpad as bp
-from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
 from blockpad.runtime import counters
 from blockpad.runtime.stream import Stream
+from blockpad.vocabulary import POLICIES
 
 SEED = {"on_handle": "n", "dst_fused": "0", "dst_stage": "0", "src": "n/2",
         "tracked": "[0, n/2]", "user": "[0, n]"}

@@ -22,6 +22,7 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
+from blockpad.vocabulary import ACC, DST
 
 from ..kernel import Arg, KernelDef, finish
 from ..policy import PaddingPlan, plan
@@ -171,7 +172,7 @@ def materialize(opdef: OpDef, dst: Layout, plan: PaddingPlan, name: str,
 
     stages = []
     if opdef.reduce:
-        acc = te.compute(dst.physical_shape, lambda *p: opdef.value(*logical(p)), name="acc")
+        acc = te.compute(dst.physical_shape, lambda *p: opdef.value(*logical(p)), name=ACC)
         stages.append(acc)
 
         def value(p):
@@ -197,11 +198,11 @@ def materialize(opdef: OpDef, dst: Layout, plan: PaddingPlan, name: str,
             v = select(dst.is_padding(p), tirx.const(0, out_storage), v)
         return v
 
-    out = te.compute(dst.physical_shape, lambda *p: finished(p), name="dst")
+    out = te.compute(dst.physical_shape, lambda *p: finished(p), name=DST)
     extra_tensors = [t for t, _ in opdef.extra_args]
     func = te.create_prim_func([*[s.tensor for s in opdef.sources], *extra_tensors, out])
     if plan.dst_writes == "valid" and dst.has_padding:
-        func = _predicate_valid(func, dst, {"dst"})   # acc is scratch: predicating it breaks
+        func = _predicate_valid(func, dst, {DST})   # acc is scratch: predicating it breaks
         # the reduction-block form schedules rely on
     args = [Arg(s.name, s.layout, "in", s.storage) for s in opdef.sources]
     args += [a for _, a in opdef.extra_args]

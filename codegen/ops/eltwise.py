@@ -10,6 +10,7 @@ import math
 from tvm import tirx
 
 from blockpad.errors import SpecError
+from blockpad.vocabulary import ELTWISE_DEFAULTS
 
 from .common import OpDef, Source, dtype_of, materialize, plan_for
 
@@ -31,7 +32,7 @@ ALGORITHMS = {
     "linear": lambda x, a, b: x * _c(x, a) + _c(x, b),                  # alpha * x + beta
 }
 
-PARAMS = {"algorithm": "relu", "alpha": 0.0, "beta": 0.0}
+PARAMS = ELTWISE_DEFAULTS
 
 
 def apply(algorithm: str, x, alpha=0.0, beta=0.0):

@@ -31,6 +31,7 @@ from tvm import te, tirx
 
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
+from blockpad.vocabulary import POST_OP_DEFAULTS
 
 from . import eltwise
 from .common import Source, dtype_of
@@ -39,7 +40,6 @@ INTEGER = ("int8", "uint8")
 # floating sources and their accumulators; bfloat16 would need the bit storage (uint16 buffers)
 # that reorders use, in compute ops, which no op has yet
 ACCUMULATOR = {"float32": "float32", "float64": "float64", "float16": "float32"}
-KINDS = {"bias": {}, "eltwise": dict(eltwise.PARAMS), "sum": {"scale": 1.0}}
 CHANNEL = 1   # the output-channel dim of the destination's logical index (n k h w; m n)
 TENSORS = ("scale", "bias", "sum")   # argument order
 DEFAULT_TAGS = {"scale": "a", "bias": "a"}   # 1-D: a spec may leave their layouts out
@@ -81,15 +81,15 @@ def check(post_ops) -> list[dict]:
     out = []
     for i, p in enumerate(post_ops):
         kind = p.get("kind") if isinstance(p, dict) else None
-        if kind not in KINDS:
-            raise SpecError(f"post_ops[{i}]: kind must be one of {', '.join(KINDS)}; got {p!r}")
-        unknown = sorted(set(p) - {"kind", *KINDS[kind]})
+        if kind not in POST_OP_DEFAULTS:
+            raise SpecError(f"post_ops[{i}]: kind must be one of {', '.join(POST_OP_DEFAULTS)}; got {p!r}")
+        unknown = sorted(set(p) - {"kind", *POST_OP_DEFAULTS[kind]})
         if unknown:
             raise SpecError(f"post_ops[{i}] ({kind}): unknown key {', '.join(unknown)}; "
-                            f"expected {', '.join(['kind', *KINDS[kind]])}")
+                            f"expected {', '.join(['kind', *POST_OP_DEFAULTS[kind]])}")
         if kind != "eltwise" and any(q["kind"] == kind for q in out):
             raise SpecError(f"post_ops[{i}]: at most one {kind!r} post-op (it names a tensor)")
-        out.append({"kind": kind, **KINDS[kind], **p})
+        out.append({"kind": kind, **POST_OP_DEFAULTS[kind], **p})
         if kind == "eltwise":
             eltwise.apply(out[-1]["algorithm"], tirx.Var("x", "float32"))  # rejects unknown ones
     return out

@@ -8,6 +8,7 @@ from tvm.tirx.script import builder as T
 
 from blockpad.errors import LayoutError
 from blockpad.layout import Layout
+from blockpad.vocabulary import DST
 
 from ..kernel import Arg, KernelDef, finish, movement_storage, placeholder
 
@@ -25,7 +26,7 @@ def reorder(src: Layout, dst: Layout, name: str) -> KernelDef:
         value = s[src.to_physical(dst.to_logical(p))]
         return tirx.if_then_else(dst.is_padding(p), zero, value) if dst.has_padding else value
 
-    d = te.compute(dst.physical_shape, element, name="dst")
+    d = te.compute(dst.physical_shape, element, name=DST)
     args = [Arg("src", src, "in", storage), Arg("dst", dst, "out", storage)]
     return finish(te.create_prim_func([s, d]), name, "reorder", args)
 

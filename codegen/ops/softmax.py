@@ -28,6 +28,7 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
+from blockpad.vocabulary import EXP, MAX, NORM, SUM
 
 from .common import OpDef, Source, materialize, plan_for
 
@@ -65,10 +66,10 @@ def make(layouts, name, policy, axis=1, log=False):
                 element([c if d == axis else v for d, v in enumerate(j)]), axis=axes),
                 axes=axes, row_axis=axis)
 
-        mx = over_axis("max", te.max, lambda i: x(*i, pad=-math.inf))
-        e = Stage("exp", x, src, lambda *i: exp(x(*i, pad=-math.inf) - mx(*i)))
-        sm = over_axis("sum", te.sum, lambda i: e(*i))
-        norm = Stage("norm", x, rows, (lambda *j: mx(*j) + tirx.log(sm(*j))) if log else
+        mx = over_axis(MAX, te.max, lambda i: x(*i, pad=-math.inf))
+        e = Stage(EXP, x, src, lambda *i: exp(x(*i, pad=-math.inf) - mx(*i)))
+        sm = over_axis(SUM, te.sum, lambda i: e(*i))
+        norm = Stage(NORM, x, rows, (lambda *j: mx(*j) + tirx.log(sm(*j))) if log else
                      (lambda *j: tirx.const(1, "float32") / sm(*j)), row_axis=axis)
         value = (lambda *i: x(*i, pad=-math.inf) - norm(*i)) if log else \
             (lambda *i: e(*i) * norm(*i))
