@@ -350,3 +350,32 @@ def test_spec_pad_forms_and_ceil_mode():
     assert parse_spec({"kernel": [pool]}).kernels[0].layout["dst"].shape == (1, 5, 3, 3)
     with pytest.raises(bp.SpecError, match="ceil_mode"):
         parse_spec({"kernel": [{**pool, "ceil_mode": 1}]})
+
+
+@pytest.mark.parametrize("policy", ["dst_fused", "tracked"])
+def test_asymmetric_conv_staged_and_prepadded(tmp_path, policy):
+    """The two other ways a convolution reads spatial padding, with per-side pads: a staged
+    zero-halo copy (``spatial_pad = "stage"``) and a source whose halo covers the pads; checked
+    against the numpy reference."""
+    from blockpad.codegen.spec import parse_spec
+    from blockpad.runtime.graph_ops import conv_ref
+
+    pad = [[1, 2], [0, 1]]
+    common = {"op": "conv2d", "shape": [2, 5, 6, 7], "channels": 6, "kernel": [3, 2],
+              "stride": [2, 1], "pad": pad, "weights": "OIhw8i8o", "dst": "nChw8c"}
+    halo = {"tag": "nChw8c", "paddings": {"h": [1, 2], "w": [0, 1]}}
+    spec = {"library": {"name": "asym", "policy": policy}, "kernel": [
+        {**common, "name": "staged", "src": "nChw8c", "spatial_pad": "stage"},
+        {**common, "name": "prepadded", "src": halo}]}
+    bp.build(parse_spec(spec), "host", tmp_path, log=lambda m: None)
+    lib = bp.load(tmp_path)
+    rng = np.random.default_rng(7)
+    x, w = rand(rng, 2, 5, 6, 7), rand(rng, 6, 5, 3, 2)
+    want = conv_ref(x, w, stride=(2, 1), pad=pad)
+    wm = bp.Memory.from_numpy(w, bp.Layout("OIhw8i8o", w.shape))
+    for name, src in (("staged", bp.Layout("nChw8c", x.shape)),
+                      ("prepadded", bp.Layout("nChw8c", x.shape, paddings=halo["paddings"]))):
+        dst = bp.Layout("nChw8c", want.shape)
+        out = bp.Memory(dst, np.full(dst.alloc_len, np.nan, np.float32))
+        lib[name](bp.Memory.from_numpy(x, src), wm, out)
+        assert np.abs(out.to_numpy() - want).max() <= TOL * np.abs(want).max(), name
