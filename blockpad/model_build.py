@@ -85,14 +85,27 @@ def _generable(req: Request) -> str | None:
     return None
 
 
+def _used(plan, asked) -> list:
+    """The requests a run of ``plan`` calls: its steps' kernels and the reorders that read its
+    results out to plain. (The planner also asks for what it would reorder weights with: a
+    built model's weights come packed, so those are not built.)"""
+    outs = {b.layout for b in plan.outputs.values()}
+    used = [st.kernel.request for st in plan.steps if isinstance(st.kernel, _Probed)]
+    used += [r for r in asked if r.op == "reorder" and r.tensors[0][1] in outs
+             and r.tensors[-1][1].is_plain]
+    return list(dict.fromkeys(used))
+
+
 def plan_kernels(g: Graph, log) -> tuple:
     """Plan ``g`` and return (plan lines, the kernel requests the plan calls, refusals)."""
     failed, refused = set(), {}
     checked = set()
     while True:
         probe = _Probe(failed)
-        lines = rm.plan_lines(_regraph(g, probe))
-        new = [r for r in probe.asked if r not in checked]
+        h = _regraph(g, probe)
+        plan = h.plan(**rm.input_layouts(h))
+        used = _used(plan, probe.asked)
+        new = [r for r in used if r not in checked]
         for r in new:
             checked.add(r)
             why = _generable(r)
@@ -100,7 +113,7 @@ def plan_kernels(g: Graph, log) -> tuple:
                 failed.add(r)
                 refused[str(r)] = why
         if not any(r in failed for r in new):
-            return lines, list(probe.asked), refused
+            return plan.describe().splitlines(), used, refused
         log(f"planning again: {len(refused)} kernel(s) the generator cannot make, the plan "
             f"falls back for them")
 
