@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from scipy.special import expit
 
@@ -275,6 +275,77 @@ def test_conv_geometry_on_the_widest_target(tmp_path_factory, entry, policy):
     bp.build(parse_spec({"library": {"policy": policy},
                          "kernel": [{**entry, "name": "conv"}]}), target, d, log=lambda m: None)
     _check(bp.load(d)["conv"], entry, policy, np.random.default_rng(0))
+
+
+@st.composite
+def grouped_conv_entries(draw):
+    """A convolution with groups (depthwise among them), a batch of up to 3 and an fp32, s8
+    or u8 source, under a policy of its own."""
+    groups = draw(st.sampled_from([1, 2, 3]))
+    per_c, per_k = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    depthwise = draw(st.booleans())
+    if depthwise:
+        groups, per_c, per_k = draw(st.integers(2, 12)), 1, 1
+    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    blocked = draw(st.booleans())
+    weights = ("goihw" if groups > 1 else "oihw") if not blocked else \
+        ("Goihw8g" if depthwise else "gOIhw8i8o" if groups > 1 else "OIhw8i8o")
+    return {"op": "conv2d", "dtype": draw(st.sampled_from(["float32", "int8", "uint8"])),
+            "shape": [draw(st.integers(1, 3)), groups * per_c, draw(st.integers(kh, 7)),
+                      draw(st.integers(kw, 7))],
+            "channels": groups * per_k, "groups": groups, "kernel": [kh, kw],
+            "pad": [draw(st.integers(0, kh - 1)), draw(st.integers(0, kw - 1))],
+            "stride": [draw(st.integers(1, 2)), 1], "weights": weights,
+            "src": draw(st.sampled_from(["nchw", "nhwc", "nChw8c"])),
+            "dst": draw(st.sampled_from(["nchw", "nChw8c", "nChw16c"])),
+            "post_ops": draw(st.sampled_from([[], [{"kind": "bias"}, RELU]])),
+            "policy": draw(st.sampled_from(["dst_fused", "dst_stage", "src"]))}
+
+
+@st.composite
+def matmul_entries(draw):
+    """A matmul of odd sizes, plain or blocked, fp32 or int8, with or without post-ops, under a
+    policy of its own."""
+    dtype = draw(st.sampled_from(["float32", "int8", "uint8"]))
+    dst = draw(st.sampled_from(["ab", "aB8b", "aB16b"]))
+    chains = [[], [{"kind": "bias"}, RELU]]   # int8: exact (_check), so no sigmoid after it
+    post = draw(st.sampled_from(chains + [[SIGMOID, {"kind": "sum"}]] * (dtype == "float32")))
+    entry = {"op": "matmul", "dtype": dtype,
+             "shape": [draw(st.integers(1, 9)), draw(st.integers(1, 40))],
+             "n": draw(st.integers(1, 40)), "src": draw(st.sampled_from(["ab", "aB16b"])),
+             "weights": draw(st.sampled_from(["ba", "BA16a16b", "AB16b16a"])), "dst": dst,
+             "post_ops": post, "policy": draw(st.sampled_from(["dst_fused", "dst_stage", "src"]))}
+    return {**entry, "sum": dst} if post and post[-1]["kind"] == "sum" else entry
+
+
+SAMPLE_PHASES = [Phase.explicit, Phase.generate]
+
+
+def _sample(tmp_path_factory, entries):
+    """Every entry of a drawn sample in one library (one build for the lot), each checked like
+    the fixed cases (numbers against numpy, padding contract, guards)."""
+    named = [{**e, "name": f"k{i}"} for i, e in enumerate(entries)]
+    d = tmp_path_factory.mktemp("sample")
+    bp.build({"kernel": named}, "host", d, log=lambda m: None)
+    lib = bp.load(d)
+    for e in named:
+        _check(lib[e["name"]], e, e["policy"], np.random.default_rng(0))
+
+
+# two examples: hypothesis tries the simplest sample (all 1x1) first, then a random one; no
+# shrinking (each step is a build): a failure reports the drawn sample as it is
+@settings(max_examples=2, deadline=None, derandomize=True, phases=SAMPLE_PHASES,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(grouped_conv_entries(), min_size=6, max_size=6))
+def test_conv_groups_batches_and_int8_sample(tmp_path_factory, entries):
+    _sample(tmp_path_factory, entries)
+
+
+@settings(max_examples=2, deadline=None, derandomize=True, phases=SAMPLE_PHASES,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(matmul_entries(), min_size=6, max_size=6))
+def test_matmul_sample(tmp_path_factory, entries):
+    _sample(tmp_path_factory, entries)
 
 
 def test_staged_kernel_leaves_padding_to_its_zero_pad_stage(libs, rng):
