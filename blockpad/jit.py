@@ -32,8 +32,8 @@ def fingerprint() -> str:
     schedules) and of the tuning records builds apply, found by path so that nothing is
     imported: disk cache entries made by another version, or before a new record, are rebuilt.
     The sources are ``codegen.build.code_digest``'s file set."""
-    import blockpad
-    from blockpad import errors, layout
+    from . import errors, layout
+    from .version import __version__
 
     files = [Path(layout.__file__), Path(errors.__file__)]
     for pkg, pattern in (("blockpad.codegen", "*.py"), ("blockpad.schedules", "*.py"),
@@ -41,7 +41,7 @@ def fingerprint() -> str:
         spec = importlib.util.find_spec(pkg)
         for root in spec.submodule_search_locations or []:
             files += sorted(Path(root).rglob(pattern))
-    h = hashlib.sha256(blockpad.__version__.encode())
+    h = hashlib.sha256(__version__.encode())
     for f in files:
         h.update(f.read_bytes())
     return h.hexdigest()
