@@ -107,7 +107,7 @@ def _build(args):
         build_model(args.spec, args.target, args.out, force=args.force,
                     tuning_logs=args.tuning_logs)
         return
-    from .bench.common import native_target
+    from .codegen.targets import native_target
     from .codegen.build import build
 
     target = native_target() if args.target == "native" else args.target

@@ -450,7 +450,7 @@ def _parse_tag(tag: str):
     if missing:
         raise LayoutError(f"tag {tag!r}: dim {', '.join(missing)} is blocked but has no outer "
                           f"part; write it in upper case, e.g. {missing[0].upper()}")
-    for num, bl, whole in _TOKEN.findall(tag):
+    for _num, _block, whole in _TOKEN.findall(tag):
         if whole and whole.isupper() and whole.lower() not in blocked_letters:
             raise LayoutError(f"tag {tag!r}: {whole} is upper case (blocked) but has no block; "
                               f"add one, e.g. 16{whole.lower()}, or write {whole.lower()}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 
+from blockpad import machine
 from blockpad.errors import BuildError, SpecError
 
 
@@ -116,3 +117,14 @@ def check_toolchain(target: Target) -> None:
         raise BuildError(f"target {target.name} links with {target.cross_compiler}, which is not "
                          f"on PATH; install it (Debian/Ubuntu: apt-get install "
                          f"{target.cross_package})")
+
+
+def native_target() -> str:
+    """The widest CPU target this machine runs (``--target native``). The benchmarks build for
+    it: PyTorch picks its kernels' ISA at run time (AVX-512 where the CPU has it), so a fair
+    comparison builds blockpad for the same."""
+    for name in ("avx512", "host"):
+        t = TARGETS[name]
+        if t.arch == machine.arch() and not machine.missing_features(t.features):
+            return name
+    return "host"

@@ -18,7 +18,8 @@ RULES = {
     "x86": [*data_movement.RULES, Elementwise(), *x86_tensorized.RULES, *register_tiled.RULES,
             *cpu_reduction.RULES, VectorMath(), generic.Fallback()],
     "arm": [*arm.RULES, generic.Fallback()],
-    "cuda": [*cuda.RULES, *cuda_conv.RULES, *cuda_reduction.RULES, cuda.Fallback()],   # never generic.Fallback: GPU kernels must bind threads
+    # never generic.Fallback: GPU kernels must bind threads
+    "cuda": [*cuda.RULES, *cuda_conv.RULES, *cuda_reduction.RULES, cuda.Fallback()],
 }
 
 

@@ -416,7 +416,8 @@ def _cut(func, acc, dst, back, width, suffix):
     main, edge = [], []
     for stmt in stmts:
         realizes = []
-        tvm_ffi.structural_map(stmt, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
+        tvm_ffi.structural_map(stmt, (s_tir.SBlockRealize,
+                                      lambda r: realizes.append(r) or r))  # noqa: B023 (run now)
         if any(r.block.name_hint in (acc, dst) for r in realizes):
             main.append(_range(stmt, back, width))
             edge.append(_range(stmt, back, width, suffix, {acc_buf: edge_buf}))

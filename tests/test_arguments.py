@@ -20,7 +20,8 @@ def fwd(reorder_lib):
 
 
 def test_wrong_shape(fwd, x):
-    with pytest.raises(bp.ArgumentError, match=r"argument 'src'.*logical shape \(2, 30, 5, 7\).*got shape \(2, 30, 7, 5\)"):
+    with pytest.raises(bp.ArgumentError,
+                       match=r"argument 'src'.*logical shape \(2, 30, 5, 7\).*got shape \(2, 30, 7, 5\)"):
         fwd(x.reshape(2, 30, 7, 5), bp.Memory.empty(LAY))
 
 

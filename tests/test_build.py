@@ -77,7 +77,8 @@ def test_example_spec_parses():
     ({"kernel": [{"op": "reorder", "src": "ab", "dst": "ba"}]}, "expected 'shape' or 'shapes'"),
     ({"kernel": [{"op": "reorder", "shape": [1, 2], "src": "nChw", "dst": "ba"}]}, "upper case"),
     ({"kernel": [{"op": "reorder", "shape": [1, 2], "src": "ab", "dst": "ba"}] * 2}, "already makes"),
-    ({"kernel": [{"op": "reorder", "name": "x", "shapes": [[1, 2], [2, 2]], "src": "ab", "dst": "ba"}]}, "names one kernel"),
+    ({"kernel": [{"op": "reorder", "name": "x", "shapes": [[1, 2], [2, 2]], "src": "ab", "dst": "ba"}]},
+     "names one kernel"),
     ({"kernel": [{"op": "reorder", "shape": [1, 2], "src": "ab", "dst": "abc"}]}, "has 3 dims"),
 ])
 def test_spec_errors(doc, message):

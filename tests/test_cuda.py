@@ -663,7 +663,8 @@ def test_scheduled_algorithm_matches_the_kernel_on_the_cpu(name):
     scheduled = run_serially(schedule(kernel.func, get_target("cuda-sm80")))
     reference = tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"]
     rng = np.random.default_rng(0)
-    args = [_random(rng, [int(x) for x in p.shape], str(p.dtype)) for p in kernel.func.params]   # garbage in dst: padding the plan leaves must stay
+    # garbage in dst: padding the plan leaves must stay
+    args = [_random(rng, [int(x) for x in p.shape], str(p.dtype)) for p in kernel.func.params]
     expected = [a.copy() for a in args]
     scheduled(*args)
     reference(*expected)

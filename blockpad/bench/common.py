@@ -86,19 +86,6 @@ def quiet_thread_pools(threads: int | None = None) -> None:
         os.environ.setdefault(k, v)
 
 
-def native_target() -> str:
-    """The widest CPU target this machine runs: PyTorch picks its kernels' ISA at run time
-    (AVX-512 where the CPU has it), so a fair comparison builds blockpad for the same."""
-    from blockpad.codegen.targets import TARGETS
-    from blockpad import machine
-
-    for name in ("avx512", "host"):
-        t = TARGETS[name]
-        if t.arch == machine.arch() and not machine.missing_features(t.features):
-            return name
-    return "host"
-
-
 def step_times(g, inputs: dict, rounds: int = 5) -> dict:
     """Seconds per run of each step of ``g``'s plan for ``inputs`` (kernels, reorders, the
     policy's zero-pads at binding), averaged over ``rounds`` runs of the plan's calls."""

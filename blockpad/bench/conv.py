@@ -223,7 +223,7 @@ def worker(what, dirs, repeat, quick):
             else arrays["src"].shape[1])
 
         def rate(k, secs):
-            return (peaks[k[5:]].flops if k.startswith("peak") else flops) / secs / 1e9
+            return (peaks[k[5:]].flops if k.startswith("peak") else flops) / secs / 1e9  # noqa: B023 (used in this iteration)
         gflops = {k: rate(k, statistics.median(t)) for k, t in rounds.items()}
         best = {k: rate(k, min(t)) for k, t in rounds.items()}
         peak = {t: gflops[f"peak {t}"] for t in peaks}

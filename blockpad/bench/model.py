@@ -24,7 +24,9 @@ import time
 
 import numpy as np
 
-from .common import QUIET_POOLS, batch_size, native_target, step_times, table
+from blockpad.codegen.targets import native_target
+
+from .common import QUIET_POOLS, batch_size, step_times, table
 
 CONTENDERS = ("blockpad", "torch NCHW", "torch channels_last", "onnxruntime")
 OUT = os.path.join("build", "bench_model")

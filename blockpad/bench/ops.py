@@ -15,7 +15,9 @@ import os
 
 import numpy as np
 
-from .common import interleaved, native_target, quiet_thread_pools, table, threaded_copy
+from blockpad.codegen.targets import native_target
+
+from .common import interleaved, quiet_thread_pools, table, threaded_copy
 
 HW = 56
 OPS = {   # name -> spec fields (src/dst nChw16c)

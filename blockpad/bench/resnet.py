@@ -23,7 +23,9 @@ import time
 
 import numpy as np
 
-from .common import interleaved, native_target, quiet_thread_pools, step_times, table
+from blockpad.codegen.targets import native_target
+
+from .common import interleaved, quiet_thread_pools, step_times, table
 
 EPS = 1e-5
 

@@ -123,7 +123,7 @@ def _handles(lib, steps, x, w1, w2):
     weights = {"w1": w1, "w2": w2}
     for name, inputs, out in steps:
         sig = lib.kernels[name]
-        for (arg, role, layout, _), handle in zip(sig.args, [*inputs, out]):
+        for (_arg, _role, layout, _), handle in zip(sig.args, [*inputs, out]):
             if handle in weights:
                 handles[handle] = bp.Memory.from_numpy(weights[handle], layout)
             elif handle not in handles:
@@ -142,7 +142,7 @@ def _run_chain(lib, steps, handles, stream):
     for name, inputs, out in steps:
         sig = lib.kernels[name]
         mems = []
-        for (arg, role, layout, _), handle in zip(sig.args, [*inputs, out]):
+        for (_arg, _role, layout, _), handle in zip(sig.args, [*inputs, out]):
             h = handles[handle]
             if isinstance(h, bp.Memory):          # a weight, reordered once and kept
                 mems.append(h)

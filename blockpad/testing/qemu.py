@@ -205,7 +205,7 @@ def run_many(lib_dir, calls, timeout: float = 300, tasks: int = TASKS) -> list[i
     with tempfile.TemporaryDirectory(prefix="blockpad-aarch64-") as tmp:
         lines, outputs = [], []
         files = {}   # buffer (address, bytes) -> its file: calls in a row see each other's results
-        for c, (name, args) in enumerate(calls):
+        for name, args in calls:
             if name not in signatures:
                 raise ArgumentError(f"{name!r}: {lib_dir} has kernels "
                                     f"{', '.join(sorted(signatures))}")
@@ -214,13 +214,13 @@ def run_many(lib_dir, calls, timeout: float = 300, tasks: int = TASKS) -> list[i
                 raise ArgumentError(f"{name}: expected {len(sig.args)} arguments "
                                     f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
             words = [name]
-            for i, (value, (arg, role, layout, storage)) in enumerate(zip(args, sig.args)):
+            for value, (arg, role, layout, storage) in zip(args, sig.args):
                 where = f"{name}: argument {arg!r}"
                 flat = _flat(value, where, role, layout)
                 key = (flat.ctypes.data, flat.nbytes)
                 path = files.get(key)
                 if path is None:
-                    for (addr, nbytes), other in files.items():
+                    for addr, nbytes in files:
                         if addr < key[0] + key[1] and key[0] < addr + nbytes:
                             raise ArgumentError(f"{where}: overlaps another argument's buffer "
                                                 f"without being the same buffer")
