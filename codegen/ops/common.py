@@ -221,6 +221,36 @@ def materialize(opdef: OpDef, dst: Layout, plan: PaddingPlan, name: str,
     return kernels
 
 
+def nan_max(a, b):
+    """``max(a, b)`` that returns a NaN from either side, as PyTorch and oneDNN do (TVM's
+    ``max`` is ``a > b ? a : b``, which drops a NaN ``a``). With a constant ``b`` (relu, clip)
+    ``b > a ? b : a``, which keeps a NaN ``a``: one ``maxps`` on x86; else (``a`` a reduction's
+    accumulator) ``a > b ? a : b``, which keeps a NaN ``b``, and a NaN test of ``a``."""
+    if isinstance(b, tirx.FloatImm):
+        return tirx.Select(b > a, b, a)
+    return tirx.Select(is_nan(a), a, tirx.Select(a > b, a, b))
+
+
+def nan_min(a, b):
+    """``min(a, b)`` that returns a NaN from either side (see ``nan_max``)."""
+    if isinstance(b, tirx.FloatImm):
+        return tirx.Select(b < a, b, a)
+    return tirx.Select(is_nan(a), a, tirx.Select(a < b, a, b))
+
+
+def is_nan(x):
+    """``x`` is a NaN, as an integer test of its bits (exponent all ones, mantissa not zero):
+    TVM's simplifier folds ``x != x`` to false, and ``tirx.isnan`` scalarises a vector loop."""
+    bits = tvm_ffi.dtype(dtype_of(x)).bits
+    mantissa = {16: 10, 32: 23, 64: 52}[bits]
+    magnitude = tirx.reinterpret(f"int{bits}", x) & tirx.const((1 << bits - 1) - 1, f"int{bits}")
+    return magnitude > tirx.const(((1 << bits - 1 - mantissa) - 1) << mantissa, f"int{bits}")
+
+
+NAN_MAX = te.comm_reducer(nan_max, lambda t: tirx.min_value(t), name="nan_max")
+"""A max reduction that a NaN anywhere in the window makes NaN (pooling, like PyTorch's)."""
+
+
 def int_pair(op: str, value, what: str, least: int) -> tuple:
     """A spec's ``kernel``/``stride``/``pad``/``dilation``: one integer or a pair, each >= least."""
     pair = (value, value) if isinstance(value, int) else tuple(value)
@@ -279,7 +309,19 @@ def _simplify(ana: Analyzer, expr):
             return tirx.const(0, dtype_of(call))
         return call
 
-    return ana.simplify(tvm_ffi.structural_map(ana.simplify(expr), (tvm.ir.expr.Call, fold)))
+    try:
+        expr = ana.simplify(expr)
+    except TypeError:   # TVM cannot hash the te.ComputeOp of a stage read inside a comparison
+        expr = ana.simplify(tvm_ffi.structural_map(expr, (tvm.ir.expr.Call, _opaque_stage_read)))
+    return ana.simplify(tvm_ffi.structural_map(expr, (tvm.ir.expr.Call, fold)))
+
+
+def _opaque_stage_read(call):
+    """A read of a stage (``te.tensor_load``) as an unknown value of its type: what the
+    simplifier can know of it there anyway."""
+    if getattr(call.op, "name", "") == "te.tensor_load":
+        return tirx.Var("stage_read", dtype_of(call))
+    return call
 
 
 def _is_zero_const(e) -> bool:

@@ -1,6 +1,7 @@
 """Elementwise functions: the eltwise op, and the eltwise post-op of convolution and matmul.
 
-Each algorithm is one expression of ``x`` (oneDNN's alpha/beta parameters where it has them).
+Each algorithm is one expression of ``x`` (oneDNN's alpha/beta parameters where it has them);
+NaN and +-inf give what PyTorch gives (``nan_max``: relu and clip keep a NaN).
 Whether it keeps padding zero is not recorded here: ``common.propagates_zero`` derives it."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from tvm import tirx
 from blockpad.errors import SpecError
 from blockpad.vocabulary import ELTWISE_DEFAULTS
 
-from .common import OpDef, Source, dtype_of, materialize, plan_for
+from .common import OpDef, Source, dtype_of, is_nan, materialize, nan_max, nan_min, plan_for
 
 
 def _c(x, v):
@@ -20,15 +21,15 @@ def _c(x, v):
 
 
 ALGORITHMS = {
-    "relu": lambda x, a, b: tirx.max(x, _c(x, 0)) if a == 0 else
+    "relu": lambda x, a, b: nan_max(x, _c(x, 0)) if a == 0 else
     tirx.Select(x > _c(x, 0), x, x * _c(x, a)),                        # alpha: leaky slope
     "gelu_erf": lambda x, a, b: _c(x, 0.5) * x * (_c(x, 1) + tirx.erf(x * _c(x, 1 / math.sqrt(2)))),
     "gelu_tanh": lambda x, a, b: _c(x, 0.5) * x * (_c(x, 1) + tirx.tanh(
         _c(x, math.sqrt(2 / math.pi)) * (x + _c(x, 0.044715) * x * x * x))),
     "sigmoid": lambda x, a, b: tirx.sigmoid(x),
     "exp": lambda x, a, b: tirx.exp(x),
-    "tanh": lambda x, a, b: tirx.tanh(x),
-    "clip": lambda x, a, b: tirx.min(tirx.max(x, _c(x, a)), _c(x, b)),  # [alpha, beta]
+    "tanh": lambda x, a, b: tirx.Select(is_nan(x), x, tirx.tanh(x)),    # TVM's clamps NaN
+    "clip": lambda x, a, b: nan_min(nan_max(x, _c(x, a)), _c(x, b)),    # [alpha, beta]
     "linear": lambda x, a, b: x * _c(x, a) + _c(x, b),                  # alpha * x + beta
 }
 

@@ -3,7 +3,8 @@
     dst[n, c, oh, ow] = max / avg over (kh, kw) of src[n, c, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]
 
 A window cell outside the image reads the value the reduction needs: -inf for the max, 0 for
-the sum. The average divides by the window's cells inside the padded image (``exclude_pad =
+the sum. A NaN in a window makes its max NaN, as in PyTorch (``common.NAN_MAX``). The
+average divides by the window's cells inside the padded image (``exclude_pad =
 false``, oneDNN's ``pooling_avg_include_padding``, ONNX's ``count_include_pad = 1``) or by those
 inside the image (``exclude_pad = true``, ``pooling_avg_exclude_padding``). ``stride`` defaults
 to the kernel, ``dilation`` 1 is a dense window (PyTorch's convention). ``pad`` is one integer,
@@ -28,7 +29,7 @@ from tvm import te, tirx
 from blockpad.errors import SpecError
 from blockpad.layout import pad_sides, pad_sides_param, window_out_size
 
-from .common import OpDef, Source, int_pair, materialize, plan_for
+from .common import NAN_MAX, OpDef, Source, int_pair, materialize, plan_for
 
 PARAMS = {"algorithm": "max", "kernel": [2, 2], "stride": None, "pad": [0, 0],
           "dilation": [1, 1], "exclude_pad": True, "ceil_mode": False}
@@ -84,7 +85,7 @@ def make(layouts, name, policy, algorithm="max", kernel=(2, 2), stride=None, pad
         def value(n, c, oh, ow):
             ih, iw = oh * sh - ph + rh * dh, ow * sw - pw + rw * dw
             if algorithm == "max":
-                return te.max(x(n, c, ih, iw, pad=-math.inf), axis=[rh, rw])
+                return NAN_MAX(x(n, c, ih, iw, pad=-math.inf), axis=[rh, rw])
             return te.sum(x(n, c, ih, iw), axis=[rh, rw])
 
         def average(total, idx):

@@ -1,0 +1,112 @@
+"""NaN and +-inf give what PyTorch gives (oneDNN's behaviour too): every eltwise algorithm
+(also as a convolution's post-op, whose accumulator a NaN source makes NaN), softmax and
+log-softmax, max and average pooling, on blocked layouts whose vector loops run the special
+values through the fast paths. Once a NaN is in, it stays: relu, clip and tanh used to turn it
+into 0, alpha and 1, and max pooling dropped it from its window."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from blockpad.codegen.spec import parse_spec
+
+import blockpad as bp
+
+SHAPE = [2, 20, 4, 5]
+ALGORITHMS = {   # name: (spec fields, torch)
+    "relu": ({}, torch.relu),
+    "leaky_relu": ({"alpha": 0.1}, lambda t: F.leaky_relu(t, 0.1)),
+    "gelu_erf": ({}, F.gelu),
+    "gelu_tanh": ({}, lambda t: F.gelu(t, approximate="tanh")),
+    "sigmoid": ({}, torch.sigmoid),
+    "exp": ({}, torch.exp),
+    "tanh": ({}, torch.tanh),
+    "clip": ({"alpha": -1.0, "beta": 2.0}, lambda t: torch.clamp(t, -1.0, 2.0)),
+    "linear": ({"alpha": 2.0, "beta": 1.0}, lambda t: 2 * t + 1),
+}
+BLK = {"src": "nChw16c", "dst": "nChw16c"}
+KERNELS = [
+    *({"op": "eltwise", "name": f"eltwise_{n}", "shape": SHAPE, **BLK,
+       "algorithm": n.replace("leaky_", ""), **f} for n, (f, _) in ALGORITHMS.items()),
+    *({"op": "conv2d", "name": f"conv_{n}", "shape": SHAPE, "channels": 16, "kernel": [1, 1],
+       "src": "nChw16c", "weights": "OIhw16i16o", "dst": "nChw16c",
+       "post_ops": [{"kind": "eltwise", "algorithm": n, **f}]}
+      for n, (f, _) in ALGORITHMS.items() if n in ("relu", "clip", "tanh")),
+    *({"op": "softmax", "name": f"softmax_{axis}_{log}", "shape": SHAPE, **BLK, "axis": axis,
+       "log": log} for axis in (1, 3) for log in (False, True)),
+    *({"op": "pool", "name": f"pool_{alg}", "shape": SHAPE, **BLK, "algorithm": alg,
+       "kernel": [3, 3], "stride": [1, 2], "pad": [1, 1]} for alg in ("max", "avg")),
+    {"op": "pool", "name": "pool_max_plain", "shape": SHAPE, "src": "nchw", "dst": "nchw",
+     "algorithm": "max", "kernel": [2, 2]},
+]
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nan_inf")
+    bp.build(parse_spec({"library": {"name": "nan-inf"}, "kernel": KERNELS}), "host", d,
+             log=lambda m: None)
+    return bp.load(d)
+
+
+@pytest.fixture(scope="module")
+def x():
+    """Normal values with NaN, +inf, -inf, and values past exp's range, spread over lanes."""
+    v = np.random.default_rng(7).standard_normal(SHAPE).astype("float32")
+    flat = v.reshape(-1)
+    for i, special in enumerate((np.nan, np.inf, -np.inf, 100.0, -100.0)):
+        flat[i::13] = special
+    return v
+
+
+def _run(lib, name, *inputs):
+    k = lib[name]
+    args = [bp.Memory.from_numpy(a, lay[2]) for a, lay in zip(inputs, k.signature.args)]
+    dst = k.signature.args[-1][2]
+    out = bp.Memory.from_numpy(np.zeros(dst.shape, "float32"), dst)
+    k(*args, out)
+    return out.to_numpy()
+
+
+def _check(got, want):
+    want = want.numpy().astype(np.float64)
+    assert np.array_equal(np.isnan(got), np.isnan(want)), \
+        f"NaN at {np.argwhere(np.isnan(got) != np.isnan(want))[:4].tolist()}"
+    np.testing.assert_allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_eltwise(lib, x, name):
+    _check(_run(lib, f"eltwise_{name}", x), ALGORITHMS[name][1](torch.from_numpy(x)))
+
+
+@pytest.mark.parametrize("name", ["relu", "clip", "tanh"])
+def test_conv_post_op(lib, x, name):
+    """A 1x1 convolution: an output whose window holds a NaN or both infinities is NaN, and
+    the post-op keeps it so."""
+    w = np.random.default_rng(1).standard_normal((16, 20, 1, 1)).astype("float32")
+    want = ALGORITHMS[name][1](F.conv2d(torch.from_numpy(x).double(), torch.from_numpy(w).double()))
+    _check(_run(lib, f"conv_{name}", x, w), want)
+
+
+@pytest.mark.parametrize("axis", [1, 3])
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax(lib, x, axis, log):
+    """A row holding a NaN or +inf is NaN throughout (inf - inf), -inf gives 0 / -inf."""
+    t = torch.from_numpy(x).double()
+    _check(_run(lib, f"softmax_{axis}_{log}", x), (F.log_softmax if log else F.softmax)(t, axis))
+
+
+def test_pool(lib, x):
+    t = torch.from_numpy(x)
+    _check(_run(lib, "pool_max", x), F.max_pool2d(t, 3, (1, 2), 1))
+    _check(_run(lib, "pool_avg", x), F.avg_pool2d(t, 3, (1, 2), 1, count_include_pad=False))
+    _check(_run(lib, "pool_max_plain", x), F.max_pool2d(t, 2))
+
+
+def test_nan_anywhere_in_a_max_window(lib):
+    """Each position of a 2x2 window in turn: the accumulator's and the incoming element's."""
+    for i in range(4):
+        x = np.ones(SHAPE, "float32")
+        x[:, :, i // 2::2, i % 2::2] = np.nan
+        assert np.isnan(_run(lib, "pool_max_plain", x)).all()
