@@ -477,7 +477,8 @@ def test_int8_sdot_kernels_match_numpy_exactly_under_each_policy(dotprod_dir, do
 def test_the_shared_object_holds_neon_code(neon_dir, dotprod_dir):
     objdump = shutil.which("aarch64-linux-gnu-objdump")
     if objdump is None:
-        pytest.skip("aarch64-linux-gnu-objdump not installed (binutils-aarch64-linux-gnu)")
+        pytest.skip("aarch64-linux-gnu-objdump not installed (apt-get install "
+                    "binutils-aarch64-linux-gnu)")
 
     def text(lib):
         return subprocess.run([objdump, "-d", "--no-show-raw-insn", str(lib / "kernels.so")],
