@@ -34,6 +34,7 @@ import traceback
 import numpy as np
 
 from blockpad.layout import numpy_dtype
+from blockpad.runtime.memory import aligned_empty
 
 from .reference import reference
 
@@ -146,7 +147,7 @@ def runner(lib_dir, target):
 
 # ---- one case -----------------------------------------------------------------------------------
 
-def source_values(name, layout, entry, sig, rng) -> np.ndarray:
+def source_values(name, layout, sig, rng) -> np.ndarray:
     """Random logical values: full-range integers (s8 -128..127, u8 0..255: a shifted or
     compensated dot product must hold at the extremes), normal floats; dot-product weights and
     scales shrink with the sum's length so post-ops (exp) see values of order one."""
@@ -165,11 +166,12 @@ def source_values(name, layout, entry, sig, rng) -> np.ndarray:
 
 
 def _dot_terms(sig) -> int:
+    """Products summed per output: K of matmul's (K, N) weights; C/G x KH x KW of conv's
+    (K, C, KH, KW) or (G, K/G, C/G, KH, KW)."""
     if sig.op not in ("conv2d", "matmul"):
         return 1
     w = sig.args[1][2].shape
-    return int(np.prod(w[1:] if sig.op == "conv2d" and len(w) == 4 else
-                       w[2:] if sig.op == "conv2d" else w[:1]))
+    return w[0] if sig.op == "matmul" else int(np.prod(w[-3:]))
 
 
 class Arg:
@@ -179,8 +181,6 @@ class Arg:
         self.name, self.role, self.layout = name, role, layout
         dt = numpy_dtype(layout.dtype)
         self.guard = GUARD_BYTES // dt.itemsize
-        from blockpad.runtime.memory import aligned_empty
-
         self.whole = aligned_empty(layout.alloc_len + 2 * self.guard, dt)
         raw = self.whole.view(np.uint8)
         raw[:] = np.resize(GUARD_PATTERN, raw.size)
@@ -210,7 +210,7 @@ def run_case(k: int, entry: dict, seed: int, call) -> dict:
             a.buf.view(np.uint8)[:] = 0xFF                  # NaN / all ones: visible if left
             mem = call.memory(sig, layout, a.buf, clean=False)
         else:
-            values = source_values(name, layout, entry, sig, rng)
+            values = source_values(name, layout, sig, rng)
             inputs["src" if sig.op == "zero_pad" else name] = values
             dirty = sig.op == "zero_pad" or rng.random() < 0.7
             a.buf[layout.logical_offsets()] = values
