@@ -150,6 +150,13 @@ def test_amx_int8_reference_twin_equals_numpy(rng):
     got = _run(_amx_schedule("uint8", True), {"kind": "llvm", "mcpu": "x86-64-v3"}, x, wp,
                np.zeros((M, N), "int32"))
     assert np.array_equal(got, want)
+    # one byte of B's tile moved (-128 -> 127): exactly its output column changes, by 255 x
+    # the A column it multiplies
+    wp[0, 0, 0] = 127
+    bad = _run(_amx_schedule("uint8", True), {"kind": "llvm", "mcpu": "x86-64-v3"}, x, wp,
+               np.zeros((M, N), "int32"))
+    diff = bad - want
+    assert np.array_equal(diff[:, 0], 255 * x[:, 0].astype(np.int32)) and not diff[:, 1:].any()
 
 
 def test_amx_bf16_reference_twin_equals_numpy(rng):
