@@ -1221,7 +1221,7 @@ class _Execution:
                     zero_pad(mem, blocking=True)
                     if isinstance(value, Memory) and mem.buffer is value.buffer:
                         value.state = CLEAN
-            elif s.kind == "constant":
+            elif s.kind == "constant" and s.last is not None:   # read as it is by a step
                 arr = plan.graph.constants[s.value]
                 mem.buffer, mem.state = np.ascontiguousarray(arr).reshape(-1), CLEAN
             elif s.kind == "weight":
