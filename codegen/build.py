@@ -17,7 +17,7 @@ from pathlib import Path
 from blockpad import manifest as mf
 from blockpad.errors import BlockpadError, BuildError, SpecError
 
-from . import tuning_records
+from . import auto, tuning_records
 from .kernel import alias_inplace, make_inplace
 from .ops import OPS
 from .spec import Spec, as_spec
@@ -54,14 +54,30 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
 
     os.makedirs(out_dir, exist_ok=True)
     start = time.perf_counter()
-    kernels, failed, entry_of = [], Failures(spec), {}
+    kernels, failed, entry_of, tuned_as = [], Failures(spec), {}, {}
+    logs = tuning_records.Logs(tuning_logs, target)
+    for warning in logs.warnings:
+        log(f"warning: {warning}")
+    tvm_target = target.tvm_target()
     n = len(spec.kernels)
     for i, req in enumerate(spec.kernels, 1):
         t0 = time.perf_counter()
+        picked = None
+        if auto.is_auto(req):   # conv2d algorithm = "auto": records, else the cost model
+            resolved = failed.run(req, "choosing the algorithm", lambda: auto.resolve(  # noqa: B023
+                req, lambda c: _recorded(logs, c, tvm_target)))
+            if resolved is None:
+                log(f"[{i}/{n}] {req.name}: FAILED")
+                continue
+            req, picked = resolved
+            tuned_as[req.name] = picked["tuned_as"]
+            log(f"[{i}/{n}] {req.name}: auto picked {picked['chosen']} by {picked['by']}")
         made = failed.run(req, "code generation", lambda: make_kernels(req))  # noqa: B023 (run now)
         if made is None:
             log(f"[{i}/{n}] {req.name}: FAILED")
             continue
+        if picked is not None:
+            made[0].params["auto"] = picked
         kernels += made
         entry_of.update((k.name, req) for k in made)
         extra = f" + {len(made) - 1} stage kernel" if len(made) > 1 else ""
@@ -69,15 +85,11 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
     kernels += _runtime_zero_pads(kernels)
     funcs, tuning = {}, {}
     t0 = time.perf_counter()
-    logs = tuning_records.Logs(tuning_logs, target)
-    for warning in logs.warnings:
-        log(f"warning: {warning}")
-    tvm_target = target.tvm_target()
     for k in kernels:
         req = entry_of.get(k.name)
 
         def choose_and_schedule(k=k):
-            choice = logs.choose(k.name, k.func, tvm_target)
+            choice = logs.choose(tuned_as.get(k.name, k.name), k.func, tvm_target)
             func = choice.func if choice.func is not None else schedule(k.func, target)
             return choice.status, alias_inplace(func, k)
         done = failed.run(req, "scheduling", choose_and_schedule, k.name)
@@ -165,6 +177,14 @@ def _log_tuning(log, tuning, logs_dir):
             log(f"  {name}: default schedule ({s['reason']})")
 
 
+def _recorded(logs, req, tvm_target):
+    """Seconds of the fastest recorded schedule of ``req``'s kernel, None if not tuned."""
+    if req.name not in logs.index:
+        return None
+    status = logs.choose(req.name, make_kernels(req)[0].func, tvm_target).status
+    return status["time_us"] * 1e-6 if status["tuned"] else None
+
+
 def make_kernels(req):
     """The kernels of one spec request (the op's kernel, plus a stage kernel under dst_stage)."""
     op = OPS[req.op]
@@ -240,9 +260,9 @@ def code_digest() -> str:
     """Hash of the sources that decide what a build emits (layouts, codegen, schedules)."""
     import blockpad.codegen
     import blockpad.schedules
-    from blockpad import errors, layout
+    from blockpad import errors, layout, winograd
 
-    files = [Path(layout.__file__), Path(errors.__file__)]
+    files = [Path(layout.__file__), Path(errors.__file__), Path(winograd.__file__)]
     for pkg in (blockpad.codegen, blockpad.schedules):
         files += sorted(Path(pkg.__path__[0]).rglob("*.py"))
     h = hashlib.sha256()

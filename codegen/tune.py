@@ -92,9 +92,13 @@ def tune(spec, target="host", trials=16, out=None, rpc: Rpc | None = None, log=N
     folder.mkdir(parents=True, exist_ok=True)
     _drop_torn_lines(folder, log)
 
+    from . import auto
     from .build import _runtime_zero_pads, make_kernels
 
-    kernels = [k for req in spec.kernels for k in make_kernels(req)]
+    # conv2d algorithm = "auto": every candidate, so that the build picks by their records
+    reqs = [c for req in spec.kernels for c in (
+        [c for _, c in auto.candidates(req)] if auto.is_auto(req) else [req])]
+    kernels = [k for req in reqs for k in make_kernels(req)]
     kernels += _runtime_zero_pads(kernels)
     session = _Session(target, folder, rpc, log)
     with _interruptible():

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from blockpad import winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, dtype_name, numpy_dtype, pad_sides
 from blockpad.vocabulary import DEFAULT_POLICY, POLICIES, POST_OP_DEFAULTS, with_defaults
@@ -60,6 +61,8 @@ from .graph_ops import ELTWISE, GRAPH_OPS, plain
 from .memory import CLEAN, UNKNOWN, Memory, aligned_empty
 from .padding import zero_pad
 from .passes import InplaceResult, Node, fuse_post_ops, inplace_pass
+
+WINOGRAD_TILES = winograd.TILES
 
 
 class Tensor:
@@ -411,14 +414,25 @@ class Graph:
         return self.softmax(x, axis, name, out, log=True)
 
     def conv2d(self, x, weights, bias=None, stride=1, pad=0, dilation=1, groups=1,
-               post_ops=(), sum=None, name=None, out=None) -> Tensor:  # noqa: A002 (oneDNN's)
+               post_ops=(), sum=None, name=None, out=None,  # noqa: A002 (oneDNN's)
+               algorithm="direct", winograd_tile=None) -> Tensor:
         """2-D convolution, NCHW source, OIHW weights (``groups`` > 1: O x I/groups x H x W).
         ``pad``: symmetric, an int or (h, w), or per side ((top, bottom), (left, right)).
         ``post_ops``: oneDNN's chain
         fused into the kernel, e.g. ``["bias", "relu"]`` or dicts ``{"kind": "eltwise",
         "algorithm": "relu"}``, ``{"kind": "sum", "scale": 1.0}`` (reads ``sum``). A ``bias``
         given without a chain is applied first; a ``sum`` tensor has no such default place in
-        the chain (before or after an activation differ), so it needs its ``"sum"`` entry."""
+        the chain (before or after an activation differ), so it needs its ``"sum"`` entry.. ``algorithm``: ``"direct"``, ``"winograd"``
+        (3x3, stride 1, fp32: F(m x m, 3x3), ``winograd_tile`` m = 2, 4 (default) or 6; the
+        constant weights are transformed once, by the library's ``winograd_weights`` kernel)
+        or ``"auto"`` (the cost model of ``blockpad.winograd`` picks, within its error
+        bound)."""
+        if algorithm not in ("direct", "winograd", "auto"):
+            raise ArgumentError(f"conv2d: algorithm must be 'direct', 'winograd' or 'auto'; "
+                                f"got {algorithm!r}")
+        if winograd_tile not in (None, *WINOGRAD_TILES):
+            raise ArgumentError(f"conv2d: winograd_tile must be one of {WINOGRAD_TILES}; got "
+                                f"{winograd_tile!r}")
         chain = [_post_op(p) for p in post_ops]
         if bias is not None and not any(p["kind"] == "bias" for p in chain):
             chain.insert(0, {"kind": "bias"})
@@ -434,7 +448,7 @@ class Graph:
             ([sum] if sum is not None else [])
         attrs = {"stride": _pair(stride), "pad": pad_sides(pad), "dilation": _pair(dilation),
                  "groups": int(groups), "post_ops": chain, "bias": bias is not None,
-                 "sum": sum is not None}
+                 "sum": sum is not None, "algorithm": algorithm, "winograd_tile": winograd_tile}
         return self.add_op("conv2d", inputs, attrs, name, _outs(out))
 
     def pool(self, x, algorithm="max", kernel=2, stride=None, pad=0, dilation=1,
@@ -656,8 +670,15 @@ class Graph:
 
     def _reorder_weight(self, cname, mem, report):
         src = self.constants[cname]
-        src_mem = Memory(_weight_source(mem.layout), np.ascontiguousarray(src).reshape(-1))
-        _reorder(self.cache, src_mem, mem)
+        lay = mem.layout
+        if lay.rank == np.ndim(src) == 4 and tuple(lay.shape[2:]) != tuple(np.shape(src)[2:]):
+            # Winograd-domain weights (K, C, m + 2, m + 2) of 3x3 ones: transformed, not reordered
+            src_mem = Memory(Layout("oihw", np.shape(src), lay.dtype),
+                             np.ascontiguousarray(src).reshape(-1))
+            _winograd_weights(self.cache, src_mem, mem)
+        else:
+            src_mem = Memory(_weight_source(lay), np.ascontiguousarray(src).reshape(-1))
+            _reorder(self.cache, src_mem, mem)
         if report is not None:
             report.weight_reorders += 1
         if self.weights == "check":
@@ -1091,6 +1112,23 @@ def _reorder(cache, src: Memory, dst: Memory) -> None:
         kernel(src, dst)
         return
     dst.buffer[dst.layout.logical_offsets()] = src.to_numpy()
+    if dst.layout.has_padding:
+        dst.buffer[dst.layout.padding_offsets()] = 0
+    dst.state = CLEAN
+
+
+def _winograd_weights(cache, src: Memory, dst: Memory) -> None:
+    """dst = the Winograd-domain transform of 3x3 weights ``src``, with the library's (or a
+    compiled) ``winograd_weights`` kernel; in float64 numpy if there is none."""
+    m = dst.layout.shape[2] - 2
+    kernel = cache.find(Request.make("winograd_weights", [("src", src.layout), ("dst", dst.layout)],
+                                     {"winograd_tile": m}, shape=src.layout.shape))
+    if kernel is not None:
+        kernel(src, dst)
+        return
+    g = np.array(winograd.matrices(m)[1], dtype=np.float64)
+    u = np.einsum("er,kcrs,ns->kcen", g, src.to_numpy().astype(np.float64), g)
+    dst.buffer[dst.layout.logical_offsets()] = u.astype(dst.buffer.dtype)
     if dst.layout.has_padding:
         dst.buffer[dst.layout.padding_offsets()] = 0
     dst.state = CLEAN

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from blockpad import winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
 from blockpad.vocabulary import with_defaults
@@ -301,9 +302,32 @@ class Conv2d(OpInfo):
         if a["sum"] and tuple(types[k][0]) != out:
             raise ArgumentError(f"{node.name}: the sum post-op's tensor must be {out}; got "
                                 f"{types[k][0]}")
+        if a.get("algorithm") == "winograd" and not self._winograd_fits(a, w, dt):
+            raise ArgumentError(f"{node.name}: algorithm 'winograd' needs a 3x3 kernel, stride "
+                                f"1, dilation 1, groups 1 and float32; got kernel {list(w[2:])}, "
+                                f"stride {list(a['stride'])}, dilation {list(a['dilation'])}, "
+                                f"groups {a['groups']}, {dt}")
         return [(out, dt)]
 
-    def _request(self, node, types, lays, graph):
+    @staticmethod
+    def _winograd_fits(a, w, dt) -> bool:
+        return (tuple(w[2:]) == (3, 3) and tuple(a["stride"]) == (1, 1) and dt == "float32"
+                and tuple(a["dilation"]) == (1, 1) and a["groups"] == 1)
+
+    def winograd_tile(self, node, types):
+        """F(m x m, 3x3)'s m for this node's blocked kernel, or None (direct): the node's
+        ``algorithm``; ``auto`` asks the cost model (``blockpad.winograd.choose``)."""
+        a = node.attrs
+        (src, dt), (w, _) = types[:2]
+        algorithm = a.get("algorithm", "direct")
+        if algorithm == "direct" or not self._winograd_fits(a, w, dt):
+            return None
+        if algorithm == "winograd":
+            return a.get("winograd_tile") or winograd.DEFAULT_TILE
+        out = conv_out_shape(src, w[0], w[2:], a["stride"], a["pad"], a["dilation"])
+        return winograd.choose(src[0], src[1], w[0], *out[2:])
+
+    def _request(self, node, types, lays, graph, tile=None):
         a = node.attrs
         (src, dt), (w, _) = types[:2]
         names = ["src", "weights"] + (["bias"] if a["bias"] else []) + \
@@ -311,6 +335,8 @@ class Conv2d(OpInfo):
         params = {"channels": int(w[0]), "kernel": list(w[2:]), "stride": list(a["stride"]),
                   "pad": pad_sides_param(a["pad"]), "dilation": list(a["dilation"]),
                   "groups": int(a["groups"]), "post_ops": [dict(p) for p in a["post_ops"]]}
+        if tile is not None:
+            params.update(algorithm="winograd", winograd_tile=tile)
         return Request.make("conv2d", list(zip(names, lays)), params, graph.policy, shape=src,
                             dtype=dt)
 
@@ -329,8 +355,11 @@ class Conv2d(OpInfo):
         args = [("in", i) for i in range(len(types))] + [("out", 0)]
         depthwise = groups > 1 and groups == src[1] == w[0]
         out = []
+        tile = self.winograd_tile(node, types)
         for block in graph.conv_blocks(src[1], out_shape[1], groups):
-            if groups == 1:
+            if tile is not None:   # Winograd-domain weights, transformed once (graph.py)
+                wl = winograd.weights_layout(w[0], w[1], tile, block, dt)
+            elif groups == 1:
                 wl = self._weights(w, dt, 1, f"OIhw{block}i{block}o")
             elif depthwise:
                 wl = self._weights(w, dt, groups, f"Goihw{block}g")
@@ -339,7 +368,7 @@ class Conv2d(OpInfo):
             s, d = blocked(src, dt, block), blocked(out_shape, dt, block)
             lays = [s, wl] + [plain(t[0], t[1]) if len(t[0]) == 1 else d for t in extra] + [d]
             out.append(Candidate(lays[:-1], [d], lambda inplace, lays=lays: self._request(
-                node, types, lays, graph), args, f"nChw{block}c"))
+                node, types, lays, graph, tile), args, f"nChw{block}c"))
         lays = [plain(src, dt), self._weights(w, dt, groups)] + \
             [plain(t[0], t[1]) for t in extra] + [plain(out_shape, dt)]
         out.append(Candidate(lays[:-1], [lays[-1]], lambda inplace, lays=lays: self._request(

@@ -9,15 +9,15 @@ from __future__ import annotations
 import tvm
 
 from . import (arm, cpu_reduction, cuda, cuda_conv, cuda_reduction, data_movement, generic,
-               register_tiled, x86_tensorized)
+               register_tiled, winograd, x86_tensorized)
 from .common import op_of
 from .elementwise import Elementwise
 from .vector_math import VectorMath
 
 RULES = {
-    "x86": [*data_movement.RULES, Elementwise(), *x86_tensorized.RULES, *register_tiled.RULES,
-            *cpu_reduction.RULES, VectorMath(), generic.Fallback()],
-    "arm": [*arm.RULES, generic.Fallback()],
+    "x86": [*data_movement.RULES, Elementwise(), *x86_tensorized.RULES, *winograd.RULES,
+            *register_tiled.RULES, *cpu_reduction.RULES, VectorMath(), generic.Fallback()],
+    "arm": [*winograd.RULES, *arm.RULES, generic.Fallback()],
     # never generic.Fallback: GPU kernels must bind threads
     "cuda": [*cuda.RULES, *cuda_conv.RULES, *cuda_reduction.RULES, cuda.Fallback()],
 }

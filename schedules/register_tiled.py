@@ -118,23 +118,28 @@ class RegisterTiled:
         if shape is None:
             return []
         t_extent, v_extent, dtype, predicated, u_extent = shape
-        lanes = vector_lanes(target, dtype)
-        regs = target.tile_registers
-        widths = [v_extent] if predicated else _tile_widths(v_extent, lanes)
-        out = []
-        for nr in widths:
-            for mu in (1, 2) if u_extent % 2 == 0 and not predicated else (1,):
-                vecs = mu * -(-nr // lanes)
-                most = max(1, _accumulators(regs, vecs)[0] // vecs)
-                busy = -(-_accumulators(regs, vecs)[1] // vecs)
-                out += [Config(mr, nr, lanes, mu=mu)
-                        for mr in _tile_heights(t_extent, most, busy)]
-        out.sort(key=lambda c: (-round(_tile_score(c, t_extent, v_extent, lanes, regs), 3),
-                                -c.nr, c.mu))
-        best = out[0]
-        out += [Config(best.mr, best.nr, lanes, unroll=False, mu=best.mu),
-                Config(best.mr, best.nr, lanes, parallel_tiles=False, mu=best.mu)]
-        return out
+        return tile_configs(t_extent, v_extent, u_extent, vector_lanes(target, dtype),
+                            target.tile_registers, predicated)
+
+
+def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False) -> list:
+    """The ranked micro-kernel Configs of a nest: ``t_extent`` rows, ``v_extent`` columns,
+    ``u_extent`` column blocks outside the tile (1: none), ``regs`` vector registers; the best
+    first, then its neighbours (also the GEMM of schedules/winograd.py)."""
+    widths = [v_extent] if predicated else _tile_widths(v_extent, lanes)
+    out = []
+    for nr in widths:
+        for mu in (1, 2) if u_extent % 2 == 0 and not predicated else (1,):
+            vecs = mu * -(-nr // lanes)
+            most = max(1, _accumulators(regs, vecs)[0] // vecs)
+            busy = -(-_accumulators(regs, vecs)[1] // vecs)
+            out += [Config(mr, nr, lanes, mu=mu) for mr in _tile_heights(t_extent, most, busy)]
+    out.sort(key=lambda c: (-round(_tile_score(c, t_extent, v_extent, lanes, regs), 3),
+                            -c.nr, c.mu))
+    best = out[0]
+    out += [Config(best.mr, best.nr, lanes, unroll=False, mu=best.mu),
+            Config(best.mr, best.nr, lanes, parallel_tiles=False, mu=best.mu)]
+    return out
 
 
 def _schedule(func, target, cfg: Config, tails=False):

@@ -9,7 +9,11 @@ them alike and the fraction of peak is against the peak of the same minutes. The
 for ``host`` (AVX2, tuning records applied by the build) and, where this CPU has AVX-512, also
 for ``avx512``: PyTorch's oneDNN uses the widest vectors the CPU has, so that is the like-for-
 like comparison, while the host build is what the issue's targets are stated for. Every
-blockpad result is checked against a numpy reference (float64) before it is timed.
+blockpad result is checked against a numpy reference (float64) before it is timed, and its
+error (max |err| / max |reference|) is printed. Winograd rows (``F(mxm)``, issue 15) take their
+weights through the library's transform kernel, outside the timing, and are rated in
+effective GFLOP/s: the direct convolution's flops over their time (so their fraction of peak
+may pass 100%), next to the same PyTorch contenders.
 PyTorch is a peer here, imported only inside the benchmark.
 """
 
@@ -79,6 +83,7 @@ def report(what, threads, rows, repeat):
     head += [f"{k.split()[-1]} %peak" for k in mine]
     head += [f"{k.split()[-1]} %peak best" for k in mine]
     head += [f"{k.split()[-1]} / {'best torch' if what == 'conv' else 'numpy'}" for k in mine]
+    head += [f"{k.split()[-1]} error" for k in mine]
     body = []
     for r in rows:
         g = r["gflops"]
@@ -87,7 +92,8 @@ def report(what, threads, rows, repeat):
         body.append([r["shape"], *[f"{g[k]:.1f}" for k in mine + peers],
                      *[f"{100 * r['peak_fraction'][k]:.0f}%" for k in mine],
                      *[f"{100 * r['best_peak_fraction'][k]:.0f}%" for k in mine],
-                     *[f"{g[k] / base:.2f}x" for k in mine]])
+                     *[f"{g[k] / base:.2f}x" for k in mine],
+                     *[f"{r['error'][k]:.1e}" for k in mine]])
     peaks = rows[0]["peak"]
     print(f"\n{what}, fp32, {threads} thread(s): median of {repeat} interleaved rounds; "
           f"measured peak in the same rounds " +
@@ -131,17 +137,34 @@ def plot(what, results, png):
 # ---- the worker: one process, one thread count ----------------------------------------------
 
 def _inputs(kernel, rng):
-    return {name: rng.standard_normal(lay.shape).astype("float32")
-            for name, role, lay, _ in kernel.signature.args if role == "in"}
+    """Random inputs of the kernel's logical tensors: a Winograd convolution's weights are
+    the 3x3 ones its transform kernel takes (``_bound`` transforms them)."""
+    sig = kernel.signature
+    out = {name: rng.standard_normal(lay.shape).astype("float32")
+           for name, role, lay, _ in sig.args if role == "in"}
+    if "winograd" in sig.params:
+        k, c = out["weights"].shape[:2]
+        out["weights"] = rng.standard_normal((k, c, 3, 3)).astype("float32")
+    return out
 
 
 def _bound(lib, kernel, arrays):
     """The kernel bound to blocked memories of ``arrays`` (weights packed once, outside the
-    timing, as in inference) and its destination memory."""
+    timing, as in inference: a Winograd convolution's transformed by the library's
+    ``__winograd_weights`` kernel) and its destination memory."""
     import blockpad as bp
 
-    mems = [bp.Memory.from_numpy(arrays[name], lay)
-            for name, role, lay, _ in kernel.signature.args if role == "in"]
+    wino = kernel.signature.params.get("winograd")
+    mems = []
+    for name, role, lay, _ in kernel.signature.args:
+        if role != "in":
+            continue
+        if name == "weights" and wino:
+            mem = lib.memory(lay)
+            lib[wino["weights_transform"]](arrays[name], mem)
+        else:
+            mem = bp.Memory.from_numpy(arrays[name], lay)
+        mems.append(mem)
     dst = lib.memory(kernel.signature.args[-1][2])
     return kernel.bind(*mems, dst), dst
 
@@ -194,7 +217,7 @@ def worker(what, dirs, repeat, quick):
     libs = {t: bp.load(d) for t, d in dirs.items()}
     op = "conv2d" if what == "conv" else "matmul"
     host = libs["host"]
-    names = [n for n in host if host[n].signature.op == op]
+    names = [n for n in host if host[n].signature.op == op]   # conv2d: Winograd ones too
     if quick:
         names = names[:2]
     peaks = {t: Peak(t, threads) for t in libs}
@@ -205,7 +228,7 @@ def worker(what, dirs, repeat, quick):
         params = sig.params
         arrays = _inputs(host[name], rng)
         ref = _reference(op, params, arrays)
-        contenders = {}
+        contenders, errors = {}, {}
         for t, lib in libs.items():
             call, dst = _bound(lib, lib[name], arrays)
             call()
@@ -213,6 +236,7 @@ def worker(what, dirs, repeat, quick):
             if err > TOLERANCE:
                 raise SystemExit(f"{name} ({t}): relative error {err:.1e} vs numpy")
             contenders[f"blockpad {t}"] = call
+            errors[f"blockpad {t}"] = err
         contenders.update(_conv_peers(params, arrays) if op == "conv2d" else
                           _matmul_peers(arrays))
         for t, p in peaks.items():
@@ -228,6 +252,7 @@ def worker(what, dirs, repeat, quick):
         best = {k: rate(k, min(t)) for k, t in rounds.items()}
         peak = {t: gflops[f"peak {t}"] for t in peaks}
         rows.append({"shape": _label(op, arrays, params), "kernel": name, "gflops": gflops,
+                     "error": errors,
                      "peak": peak,
                      "peak_fraction": {f"blockpad {t}": gflops[f"blockpad {t}"] / peak[t]
                                        for t in peaks},
@@ -244,7 +269,9 @@ def _label(op, arrays, params):
     _, c, h, w = arrays["src"].shape
     k, _, kh, kw = arrays["weights"].shape
     s = params["stride"][0]
-    return f"C{c} K{k} {h}x{w} {kh}x{kw}" + (f" s{s}" if s > 1 else "")
+    m = params.get("winograd", {}).get("tile")
+    return f"C{c} K{k} {h}x{w} {kh}x{kw}" + (f" s{s}" if s > 1 else "") + \
+        (f" F({m}x{m})" if m else "")
 
 
 if __name__ == "__main__":

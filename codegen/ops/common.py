@@ -283,6 +283,8 @@ def _value_is_zero(opdef: OpDef, idx, bounds) -> bool:
             return zero
         acc = tirx.const(0, dtype_of(val)) if zero else tirx.Var("acc", dtype_of(val))
         val = opdef.epilogue(acc, idx)
+    elif opdef.epilogue is not None:   # materialize applies it to a plain value too
+        val = opdef.epilogue(val, idx)
     return _is_zero_const(_simplify(ana, val))
 
 

@@ -38,15 +38,18 @@ from dataclasses import dataclass
 
 from tvm import te
 
+from blockpad import winograd as wino
 from blockpad.errors import SpecError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
 
-from . import postops
+from . import postops, winograd
 from .common import OpDef, Source, int_pair, materialize, plan_for
 
 TENSORS = ("src", "weights", *postops.TENSORS, "dst")
 PARAMS = {"channels": None, "kernel": [1, 1], "stride": [1, 1], "pad": [0, 0],
-          "dilation": [1, 1], "groups": 1, "spatial_pad": "fused", "post_ops": []}
+          "dilation": [1, 1], "groups": 1, "spatial_pad": "fused", "post_ops": [],
+          "algorithm": "direct", "winograd_tile": wino.DEFAULT_TILE}
+ALGORITHMS = ("direct", "winograd", "auto")   # auto: resolved by the build (codegen.algorithm)
 
 
 @dataclass(frozen=True)
@@ -106,15 +109,24 @@ def signature(shape, dtype, params):
                       ("channels", "kernel", "stride", "pad", "dilation", "groups")))
     wei, _, out = postops.types(dtype)
     dst = (geo.n, geo.k, *geo.out)
-    return {"src": (tuple(shape), dtype), "weights": (geo.weights, wei),
+    weights = geo.weights
+    if params.get("algorithm") == "winograd":   # the weights come transformed (winograd.py)
+        weights = wino.weights_shape(geo.k, geo.c, params.get("winograd_tile"))
+    return {"src": (tuple(shape), dtype), "weights": (weights, wei),
             **postops.tensors(params["post_ops"], dst, geo.k, dtype),
             "dst": (dst, out)}
 
 
 def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad=(0, 0),
-         dilation=(1, 1), groups=1, spatial_pad="fused", post_ops=()):
+         dilation=(1, 1), groups=1, spatial_pad="fused", post_ops=(), algorithm="direct",
+         winograd_tile=wino.DEFAULT_TILE):
     src, wei, dst = layouts["src"], layouts["weights"], layouts["dst"]
     geo = Geometry.of(src.shape, channels, kernel, stride, pad, dilation, groups)
+    if algorithm not in ALGORITHMS[:2]:
+        raise SpecError(f"conv2d: algorithm must be one of {', '.join(ALGORITHMS)} ('auto' is "
+                        f"resolved by the build); got {algorithm!r}")
+    if algorithm == "winograd":   # its own kernels: codegen/ops/winograd.py
+        return winograd.make(layouts, name, policy, geo, post_ops, winograd_tile)
     if spatial_pad not in ("fused", "stage"):
         raise SpecError(f"conv2d: spatial_pad must be 'fused' or 'stage'; got {spatial_pad!r}")
     (sh, sw), (dh, dw), (kh, kw) = geo.stride, geo.dilation, geo.kernel

@@ -1,0 +1,181 @@
+"""Winograd F(m x m, 3 x 3) facts both sides of blockpad share (pure Python): the transform
+matrices, the Winograd-domain weights layout, the accuracy bound, and the cost model that
+``algorithm = "auto"`` falls back on where no tuning record decides. The kernels themselves
+are declared in ``blockpad.codegen.ops.winograd``.
+
+Transform matrices: Cook-Toom on the points 0, +-1, +-2, +-1/2 and infinity (``POINTS``),
+exact (``fractions``): A^T[i, j] = a_j^i, G[j, k] = a_j^k / prod_{l != j} (a_j - a_l), and B^T
+solved from the identity A^T [(G g) (.) (B^T d)] = g * d itself (``matrices``). F(4x4) gives
+Lavin's B^T (rows 4 0 -5 0 1 0, ...).
+
+Accuracy. The error measured is max |y_computed - y| / max |y| over a layer's outputs, y
+computed in float64 by the direct definition (oneDNN's benchdnn compares its Winograd kernels
+with a reference computed in Winograd order instead, because its bound is loose; blockpad
+states its bound against the direct definition). Derivation:
+
+* worst case (Higham's analysis of sums of products): every term of an output carries at most
+  n u of relative error (u = 2^-24, n the roundings on its path), and the terms are bounded by
+  products of the matrices' absolute values, so |err| <= n u (||A^T|| ||G|| ||B^T||)^2 C
+  max|d| max|g| with ||.|| the largest row sum: factors 81, 36100, 1.6e6 for m = 2, 4, 6 over
+  the direct convolution's 9. The bound grows with the tile because the points (and so the
+  matrices' norms) grow, but it is far too loose to use (F(4x4) on 64 channels: 200% of the
+  largest output);
+* typical case, the bound used: roundings have independent signs, so their errors add in
+  quadrature. A transformed product U V of position (eps, nu) carries a relative error of
+  about u ||G_eps|| ||G_nu|| ||B_eps|| ||B_nu|| (2-norms of the rows that formed it: U =
+  G g G^T, V = B^T d B), and the output transform weighs it by A^T[i, eps] A^T[j, nu]; summed
+  in quadrature over the positions, the worst output position gives the amplification
+
+      kappa(m) = max_ij sqrt( sum_{eps, nu} (A^T_i,eps A^T_j,nu ||G_eps|| ||G_nu||
+                                              ||B_eps|| ||B_nu||)^2 )
+
+  (5.0, 94.3, 138.8 for m = 2, 4, 6; ``amplification``), while the sums over 9 C products
+  (channels in the GEMM, taps in the transforms) add the direct convolution's own
+  u sqrt(9 C). The largest of many outputs lies a few standard deviations out, so
+
+      error_bound(m, C) = 5 u (kappa(m) + sqrt(9 C))
+
+  Measured on normal data (C = 64): 3.0e-7, 6.1e-6, 8.9e-6 for m = 2, 4, 6 (u kappa: 3.0e-7,
+  5.6e-6, 8.3e-6); tests/test_winograd.py checks every kernel it runs against it.
+
+``algorithm = "auto"`` never picks a variant whose ``error_bound`` exceeds ``TOLERANCE``, the
+error ``blockpad bench conv`` accepts of any kernel (1e-4: F(6x6) up to ~5000 channels).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from .errors import SpecError
+from .layout import Layout
+
+TILES = (2, 4, 6)          # m of F(m x m, 3 x 3)
+DEFAULT_TILE = 4
+POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -2),
+          6: (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2))}
+U32 = 2.0 ** -24           # unit roundoff of float32
+TOLERANCE = 1e-4           # max |err| / max |y| that auto accepts (bench conv's, of any kernel)
+
+
+def matrices(m: int, r: int = 3) -> tuple:
+    """(A^T, G, B^T) of F(m, r) as exact fractions (lists of rows): m x a, a x r, a x a with
+    a = m + r - 1."""
+    if m not in POINTS:
+        raise SpecError(f"winograd_tile: expected one of {', '.join(map(str, TILES))} (F(m x m, "
+                        f"3 x 3)); got {m!r}")
+    pts = [Fraction(p) for p in POINTS[m]]
+    a = m + r - 1
+    at = [[p ** i for p in pts] + [Fraction(int(i == m - 1))] for i in range(m)]
+    f = [math.prod(pj - pl for pl in pts if pl != pj) for pj in pts]
+    g = [[pj ** k / fj for k in range(r)] for pj, fj in zip(pts, f)]
+    g.append([Fraction(int(k == r - 1)) for k in range(r)])
+    bt = [[None] * a for _ in range(a)]
+    for col in range(a):   # sum_j AT[i][j] G[j][k] BT[j][col] = [col == i + k]
+        rows = [[at[i][j] * g[j][k] for j in range(a)] + [Fraction(int(col == i + k))]
+                for i in range(m) for k in range(r)]
+        for j, v in enumerate(_solve(rows, a)):
+            bt[j][col] = v
+    return at, g, bt
+
+
+def _solve(rows, n):
+    """The solution of a consistent, full-rank linear system (augmented rows), exactly."""
+    rows = [list(r) for r in rows]
+    for c in range(n):
+        p = next(i for i in range(c, len(rows)) if rows[i][c] != 0)
+        rows[c], rows[p] = rows[p], rows[c]
+        rows[c] = [v / rows[c][c] for v in rows[c]]
+        for i in range(len(rows)):
+            if i != c and rows[i][c] != 0:
+                rows[i] = [a - rows[i][c] * b for a, b in zip(rows[i], rows[c])]
+    if any(any(v != 0 for v in r) for r in rows[n:]):
+        raise ArithmeticError("inconsistent Winograd identity")
+    return [rows[i][n] for i in range(n)]
+
+
+def amplification(m: int) -> float:
+    """kappa(m): how much the transforms amplify rounding, typically (module docstring)."""
+    at, g, bt = matrices(m)
+    rows = [math.sqrt(sum(float(v) ** 2 for v in gr)) * math.sqrt(sum(float(v) ** 2 for v in br))
+            for gr, br in zip(g, bt)]
+    a = len(rows)
+    return max(math.sqrt(sum((float(at[i][e] * at[j][n]) * rows[e] * rows[n]) ** 2
+                             for e in range(a) for n in range(a)))
+               for i in range(m) for j in range(m))
+
+
+def error_bound(m: int, channels: int) -> float:
+    """The documented bound on max |err| / max |y| of F(m x m, 3 x 3) over ``channels`` input
+    channels: 5 u (kappa(m) + sqrt(9 C)) (module docstring)."""
+    return 5 * U32 * (amplification(m) + math.sqrt(9 * channels))
+
+
+def applicable(geo, dtype) -> str | None:
+    """Why Winograd cannot compute this convolution (``codegen.ops.conv.Geometry``), or None."""
+    if dtype != "float32":
+        return f"dtype float32 (got {dtype})"
+    if geo.kernel != (3, 3) or geo.stride != (1, 1) or geo.dilation != (1, 1) or geo.groups != 1:
+        return (f"a 3x3 kernel, stride 1, dilation 1, groups 1 (got kernel {list(geo.kernel)}, "
+                f"stride {list(geo.stride)}, dilation {list(geo.dilation)}, groups {geo.groups})")
+    return None
+
+
+def weights_shape(k: int, c: int, m: int) -> tuple:
+    """Logical shape of the Winograd-domain weights U = G w G^T: (K, C, m + 2, m + 2)."""
+    matrices(m)   # checks m
+    return k, c, m + 2, m + 2
+
+
+def weights_layout(k: int, c: int, m: int, block: int = 16, dtype="float32") -> Layout:
+    """The packed Winograd-domain layout: tag ``hwOi<block>o`` over ``weights_shape``,
+    physically [m + 2][m + 2][K / block][C][block]: per transformed position and panel of
+    ``block`` output channels, the C x block panel the GEMM's register tile reads as
+    vectors."""
+    return Layout(f"hwOi{block}o", weights_shape(k, c, m), dtype)
+
+
+def transform_name(kernel: str) -> str:
+    """The weights-transform kernel a Winograd convolution's library holds with it."""
+    return f"{kernel}__winograd_weights"
+
+
+# ---- auto's cost model --------------------------------------------------------------------------
+
+#: Throughputs measured on this project's AVX2 machine (EPYC, 1 thread, ``host`` kernels, the
+#: ResNet-50 3x3 layers of examples/bench_host.toml; figures of a loaded machine, so only their
+#: ratios count): the direct kernel's flops, the Winograd GEMM's flops and the transforms' adds
+#: and multiplies per second, and the bytes of transformed weights streamed per second (they
+#: are read once per call: at 7x7 with 512 channels they outweigh the GEMM). See
+#: ``estimate``; ``python -m blockpad.bench.conv`` prints the kernels' times to recalibrate.
+RATES = {"direct": 22e9, "gemm": 17e9, "transform": 2.3e9, "weights": 8e9}
+
+
+def _nonzeros(mat) -> int:
+    return sum(1 for row in mat for v in row if v != 0)
+
+
+def estimate(n, c, k, oh, ow, m=None) -> float:
+    """Estimated seconds of a 3x3 stride-1 convolution with an ``oh`` x ``ow`` output: direct
+    (``m`` None) or F(m x m, 3x3): the GEMM's 2 (m + 2)^2 C K flops per tile, the transforms'
+    (2 (m + 2) nnz(B^T) C + (2 m + 2) nnz(A^T) K) per tile, the transformed weights'
+    4 (m + 2)^2 C K bytes, each at its measured rate (``RATES``)."""
+    if m is None:
+        return 2 * 9 * c * k * n * oh * ow / RATES["direct"]
+    at, _, bt = matrices(m)
+    a = m + 2
+    tiles = n * -(-oh // m) * -(-ow // m)
+    gemm = 2 * a * a * c * k * tiles / RATES["gemm"]
+    transforms = (2 * a * _nonzeros(bt) * c + (a + m) * _nonzeros(at) * k) * tiles
+    return gemm + transforms / RATES["transform"] + 4 * a * a * c * k / RATES["weights"]
+
+
+def candidates(c: int) -> list:
+    """The tiles ``auto`` may pick for ``c`` input channels: those within ``TOLERANCE``."""
+    return [m for m in TILES if error_bound(m, c) <= TOLERANCE]
+
+
+def choose(n, c, k, oh, ow) -> int | None:
+    """``auto``'s pick by the cost model: the tile of the fastest Winograd variant within the
+    error bound, or None where the direct convolution is estimated fastest."""
+    return min([None, *candidates(c)], key=lambda m: estimate(n, c, k, oh, ow, m))

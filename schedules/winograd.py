@@ -1,0 +1,148 @@
+"""CPU schedule of the Winograd convolution (codegen/ops/winograd.py): the register-tiled GEMM
+of schedules/register_tiled.py for the transformed domain, vectorised transforms along the channels.
+
+The kernel's stages and what each gets:
+
+* ``wino_dt`` / ``wino_v`` (input transform): one task per tile (the threads split the
+  tiles); per vector of ``lanes`` channels, the (m + 2)^2 rows-then-columns products, unrolled
+  so that the transform matrices' zeros and ones fold away (``winograd._pick`` selects on the
+  unrolled index), ``wino_dt`` computed per vector of channels at the tile, in registers;
+* ``wino_acc`` / ``wino_m`` (batched GEMM, one per transformed position): register_tiled's
+  ``RegisterTiled`` micro-kernel, tiles of ``mr`` tiles x ``nr`` output channels (x ``mu``
+  panels) over the input channels, ranked by its tile model (``register_tiled.tile_configs``): the
+  tuning space is its variants;
+* ``wino_t`` / ``dst`` (output transform, bias, post-ops, padding store): per output tile and
+  vector of output channels, ``wino_t`` in registers, the m x m outputs unrolled and
+  vectorised, the destination's predicate (``dst_stage``'s valid elements) put back on the
+  tiled loops.
+
+Rows past the last tile are computed whole (``register_tiled._whole_tiles``: clamped rows), so the
+GEMM's hot loop has no predicate. The rule reads the nest's facts from the func's
+``blockpad.winograd`` attribute (the tile, the destination's h, w and channel-block dims);
+a func without it is not this rule's.
+"""
+
+from __future__ import annotations
+
+import tvm_ffi
+from tvm import s_tir
+
+from . import register_tiled
+from .common import op_of, vector_lanes
+from .dot_tiled import _predicate, _realize, _take_predicate
+from .generic import root_blocks, spatial_parallel_vectorize
+from .nest import substitute
+
+ATTR = "blockpad.winograd"
+STAGES = ("wino_dt", "wino_v", "wino_acc", "wino_m", "wino_t", "dst")
+
+
+class Winograd:
+    ops = ("conv2d",)
+
+    def apply(self, func, target):
+        space = self.space(func, target, first=True)
+        return space[0] if space else None
+
+    def space(self, func, target, first=False) -> list:
+        """Complete schedules, the default first: the GEMM's register tiles (register_tiled's
+        ranked Configs), each once."""
+        facts = _facts(func)
+        if facts is None:
+            return []
+        out, seen = [], set()
+        for cfg in configs(func, target):
+            sch = _schedule(func, target, cfg, facts)
+            if sch is None or tvm_ffi.structural_hash(sch.mod) in seen:
+                continue
+            seen.add(tvm_ffi.structural_hash(sch.mod))
+            out.append(sch)
+            if first:
+                break
+        return out
+
+
+def _facts(func):
+    if op_of(func) != "conv2d" or func.attrs is None or ATTR not in func.attrs:
+        return None
+    return {k: int(v) for k, v in func.attrs[ATTR].items()}
+
+
+def configs(func, target) -> list:
+    """register_tiled's micro-kernel Configs for the GEMM: rows = tiles, columns = the weights'
+    panel of output channels, column blocks = the panels."""
+    sch = s_tir.Schedule(func)
+    block = sch.get(sch.get_sblock("wino_acc"))
+    _, _, panels, tiles, cols = (int(iv.dom.extent) for iv in block.iter_vars[:5])
+    lanes = vector_lanes(target, str(block.writes[0].source.dtype))
+    return register_tiled.tile_configs(tiles, cols, panels, lanes, target.tile_registers)
+
+
+def _schedule(func, target, cfg, facts):
+    func, _ = register_tiled._whole_tiles(func, "wino_acc", cfg.mr, cfg.nr)
+    sch = s_tir.Schedule(func)
+    lanes = cfg.lanes
+    try:
+        others = [b for b in root_blocks(sch) if sch.get(b).name_hint not in STAGES]
+        register_tiled._tile(sch, sch.get_sblock("wino_acc"), sch.get_sblock("wino_m"), cfg)
+        _input_transform(sch, lanes)
+        _output_transform(sch, lanes, facts)
+        for block in others:   # per-channel copies (bias)
+            spatial_parallel_vectorize(sch, block, target)
+    except s_tir.ScheduleError:
+        return None
+    return sch
+
+
+def _input_transform(sch, lanes):
+    v, dt = sch.get_sblock("wino_v"), sch.get_sblock("wino_dt")
+    eps, nu, p, c = sch.get_loops(v)
+    c_o, c_i = _vector_split(sch, c, lanes)
+    sch.reorder(p, c_o, eps, nu, c_i)
+    sch.compute_at(dt, c_o, preserve_unit_loops=True)
+    for loop in (eps, nu):
+        sch.unroll(loop)
+    sch.vectorize(c_i)
+    *_, d_eps, d_j, _, d_c = sch.get_loops(dt)
+    sch.unroll(d_eps)
+    sch.unroll(d_j)
+    sch.vectorize(d_c)
+    sch.parallel(p)
+
+
+def _output_transform(sch, lanes, facts):
+    dst, t = sch.get_sblock("dst"), sch.get_sblock("wino_t")
+    valid = _take_predicate(sch, dst)
+    loops = sch.get_loops(dst)
+    m = facts["tile"]
+    h, w, c = loops[facts["h"]], loops[facts["w"]], loops[facts["c"]]
+    outer = [l for i, l in enumerate(loops) if i not in (facts["h"], facts["w"], facts["c"])]
+    ho, hi = sch.split(h, [None, m])
+    wo, wi = sch.split(w, [None, m])
+    c_o, c_i = _vector_split(sch, c, lanes)
+    tile = [ho, wo, c_o]
+    sch.reorder(*outer, *tile, hi, wi, c_i)
+    sch.compute_at(t, c_o, preserve_unit_loops=True)
+    *_, t_eps, t_j, _, t_k = sch.get_loops(t)
+    sch.unroll(t_eps)
+    sch.unroll(t_j)
+    sch.vectorize(t_k)
+    sch.unroll(hi)
+    sch.unroll(wi)
+    sch.vectorize(c_i)
+    par = [*outer, ho]
+    sch.parallel(sch.fuse(*par) if len(par) > 1 else par[0])
+    if valid is not None:
+        realize = _realize(sch, dst)
+        _predicate(sch, dst, substitute(valid, {iv.var: x for iv, x in zip(
+            realize.block.iter_vars, realize.iter_values)}))
+
+
+def _vector_split(sch, loop, lanes):
+    """(outer, inner): ``loop`` in vectors of ``lanes`` (a unit outer loop where it is one
+    vector or less)."""
+    n = int(sch.get(loop).extent)
+    return sch.split(loop, [None, min(n, lanes)])
+
+
+RULES = [Winograd()]

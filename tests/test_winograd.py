@@ -1,0 +1,294 @@
+"""Winograd convolution F(m x m, 3x3): the transform matrices, the kernels under every padding
+policy and layout against a float64 direct convolution (numpy), the documented error bound,
+the weights transform, ``algorithm = "auto"``, bp.Graph, bad specs, and the instructions
+AVX-512 and NEON builds emit (NEON run under qemu-aarch64)."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import blockpad as bp
+from blockpad import winograd as wino
+from blockpad.codegen.build import make_kernels
+from blockpad.codegen.policy import POLICIES
+from blockpad.codegen.spec import parse_spec
+from blockpad.errors import ArgumentError, SpecError
+from blockpad.runtime.graph_ops import conv_ref
+from blockpad.testing import qemu
+
+from .conftest import asm_functions, kernel_instructions
+
+RELU = {"kind": "eltwise", "algorithm": "relu"}
+CHAIN = [{"kind": "bias"}, RELU]
+
+
+def _conv(name, shape, k, tag, wtag, m, pad=(1, 1), post_ops=CHAIN, policy="dst_fused", **kw):
+    return {"name": name, "op": "conv2d", "shape": list(shape), "channels": k,
+            "kernel": [3, 3], "pad": list(pad), "src": kw.pop("src", tag),
+            "dst": kw.pop("dst", tag), "weights": wtag, "algorithm": "winograd",
+            "winograd_tile": m, "post_ops": post_ops, "policy": policy, **kw}
+
+
+# (name, tile, input channels) of every conv kernel in SPEC
+CASES = [(f"w4_{p}", 4, 20) for p in POLICIES] + [
+    ("w2_8c_sum", 2, 13), ("w6_nhwc", 6, 16), ("w4_halo", 4, 16), ("w4_pad02", 4, 16)]
+SPEC = {"library": {"name": "test-winograd"}, "kernel": [
+    # odd sizes: C=20 and K=24 fill 16-channel blocks partly, 7x9 leaves partial 4x4 tiles
+    *[_conv(f"w4_{p}", (1, 20, 7, 9), 24, "nChw16c", "hwOi16o", 4, policy=p) for p in POLICIES],
+    _conv("w2_8c_sum", (2, 13, 6, 5), 11, "nChw8c", "hwOi8o", 2,
+          post_ops=[RELU, {"kind": "sum", "scale": 0.5}], sum="nChw8c"),
+    _conv("w6_nhwc", (1, 16, 9, 10), 12, "nhwc", "hwOi16o", 6, post_ops=[]),
+    _conv("w4_halo", (1, 16, 6, 8), 8, "nChw8c", "hwOi8o", 4,
+          src={"tag": "nChw8c", "paddings": {"h": [1, 1], "w": [1, 1]}},
+          dst={"tag": "nChw8c", "paddings": {"h": [1, 2], "w": [2, 1]}}),
+    _conv("w4_pad02", (1, 16, 5, 6), 16, "nChw16c", "oihw", 4, pad=(0, 2)),
+    {"name": "transform6", "op": "winograd_weights", "shape": [12, 5, 3, 3], "src": "oihw",
+     "dst": "hwOi8o", "winograd_tile": 6},
+    {"name": "auto_big", "op": "conv2d", "shape": [1, 32, 28, 28], "channels": 32,
+     "kernel": [3, 3], "pad": [1, 1], "src": "nChw8c", "weights": "OIhw8i8o", "dst": "nChw8c",
+     "algorithm": "auto"},
+    {"name": "auto_strided", "op": "conv2d", "shape": [1, 8, 8, 8], "channels": 8,
+     "kernel": [3, 3], "stride": [2, 2], "pad": [1, 1], "src": "nChw8c", "weights": "OIhw8i8o",
+     "dst": "nChw8c", "algorithm": "auto"},
+]}
+
+
+@pytest.fixture(scope="module")
+def lib_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("winograd")
+    bp.build(parse_spec(SPEC), "host", d, log=lambda m: None)
+    return d
+
+
+@pytest.fixture(scope="module")
+def lib(lib_dir):
+    return bp.load(lib_dir)
+
+
+def _args(sig):
+    return {name: lay for name, _, lay, _ in sig.args}
+
+
+def _run(lib, name, rng):
+    """Run conv ``name`` on random data: weights through its library's transform kernel;
+    returns (result, float64 reference, the destination memory)."""
+    sig = lib.kernels[name]
+    lays = _args(sig)
+    p = sig.params
+    src = lays["src"]
+    x = rng.standard_normal(src.shape).astype("float32")
+    w = rng.standard_normal((p["channels"], src.shape[1], 3, 3)).astype("float32")
+    u = lib.memory(lays["weights"])
+    lib[p["winograd"]["weights_transform"]](w, u)
+    extra, ref_extra = [], {}
+    if "bias" in lays:
+        b = rng.standard_normal(lays["bias"].shape).astype("float32")
+        extra.append(b)
+        ref_extra["bias"] = b
+    if "sum" in lays:
+        s = rng.standard_normal(lays["sum"].shape).astype("float32")
+        extra.append(bp.Memory.from_numpy(s, lays["sum"]))
+        ref_extra["sum_input"] = s
+    dst = lib.memory(lays["dst"])
+    lib[name](bp.Memory.from_numpy(x, src), u, *extra, dst)
+    ref = conv_ref(x, w, pad=tuple(p["pad"]), post_ops=p["post_ops"], **ref_extra)
+    return dst.to_numpy(), ref, dst
+
+
+# ---- the transforms ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", wino.TILES)
+def test_matrices_compute_the_correlation_exactly(m):
+    """A^T [(G g G^T) (.) (B^T d B)] A is the 2-D correlation of d and g, in exact
+    arithmetic, checked on random integer tiles against the definition."""
+    at, g, bt = wino.matrices(m)
+    a = m + 2
+    rng = np.random.default_rng(m)
+    d = [[Fraction(int(v)) for v in row] for row in rng.integers(-9, 10, (a, a))]
+    f = [[Fraction(int(v)) for v in row] for row in rng.integers(-9, 10, (3, 3))]
+
+    def mul(x, y):
+        return [[sum(x[i][k] * y[k][j] for k in range(len(y))) for j in range(len(y[0]))]
+                for i in range(len(x))]
+
+    def tr(x):
+        return [list(r) for r in zip(*x)]
+
+    u, v = mul(mul(g, f), tr(g)), mul(mul(bt, d), tr(bt))
+    y = mul(mul(at, [[u[i][j] * v[i][j] for j in range(a)] for i in range(a)]), tr(at))
+    want = [[sum(d[i + r][j + s] * f[r][s] for r in range(3) for s in range(3))
+             for j in range(m)] for i in range(m)]
+    assert y == want
+    if m == 4:
+        assert bt[0] == [4, 0, -5, 0, 1, 0]   # Lavin's F(4x4, 3x3)
+
+
+def test_error_bound_grows_with_the_tile():
+    kappa = [wino.amplification(m) for m in wino.TILES]
+    assert kappa == sorted(kappa) and kappa[0] == pytest.approx(5.0)
+    assert wino.error_bound(4, 512) > wino.error_bound(4, 64)
+    assert wino.candidates(64) == [2, 4, 6]
+    assert wino.candidates(10 ** 6) == []   # past the tolerance: auto picks direct
+
+
+# ---- kernels against numpy ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name,m,c", CASES)
+def test_kernels_match_direct_convolution_within_the_bound(lib, name, m, c, rng):
+    got, ref, dst = _run(lib, name, rng)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err <= wino.error_bound(m, c), f"{name}: {err:.2e} > {wino.error_bound(m, c):.2e}"
+    assert err <= wino.TOLERANCE
+    if lib.kernels[name].padding["produces"] == "clean" and dst.layout.has_padding:
+        assert dst.padding_is_zero()
+
+
+def test_every_policy_gives_the_same_numbers(lib):
+    outs = [_run(lib, f"w4_{p}", np.random.default_rng(7))[0] for p in POLICIES]
+    for p, o in zip(POLICIES[1:], outs[1:]):
+        np.testing.assert_array_equal(o, outs[0], err_msg=p)
+
+
+def test_dst_fused_overwrites_garbage_in_padding(lib, rng):
+    """A destination full of NaN: the kernel writes every logical element and zero in every
+    padding element (channels 24..31, the halo of w4_halo)."""
+    for name in ("w4_dst_fused", "w4_halo"):
+        sig = lib.kernels[name]
+        lays = _args(sig)
+        x = rng.standard_normal(lays["src"].shape).astype("float32")
+        w = rng.standard_normal((sig.params["channels"], x.shape[1], 3, 3)).astype("float32")
+        b = rng.standard_normal(sig.params["channels"]).astype("float32")
+        u = lib.memory(lays["weights"])
+        lib[sig.params["winograd"]["weights_transform"]](w, u)
+        buf = np.full(lays["dst"].alloc_len, np.nan, np.float32)
+        dst = bp.Memory(lays["dst"], buf)
+        lib[name](bp.Memory.from_numpy(x, lays["src"]), u, b, dst)
+        assert np.isfinite(buf).all()
+        assert np.all(buf[lays["dst"].padding_offsets()] == 0)
+        ref = conv_ref(x, w, b, pad=(1, 1), post_ops=CHAIN)
+        assert np.abs(dst.to_numpy() - ref).max() <= wino.TOLERANCE * np.abs(ref).max()
+
+
+def test_weights_transform_kernel(lib, rng):
+    """The transform kernel of its own (op winograd_weights): G w G^T, channel padding zero."""
+    w = rng.standard_normal((12, 5, 3, 3)).astype("float32")
+    sig = lib.kernels["transform6"]
+    out = lib.memory(_args(sig)["dst"])
+    lib["transform6"](w, out)
+    g = np.array(wino.matrices(6)[1], dtype=np.float64)
+    want = np.einsum("er,kcrs,ns->kcen", g, w.astype(np.float64), g)
+    np.testing.assert_allclose(out.to_numpy(), want, rtol=1e-6, atol=1e-6)
+    assert out.padding_is_zero()   # K = 12 in 8-channel panels
+
+
+def test_manifest_names_the_transform_and_the_layout(lib_dir):
+    manifest = json.loads((lib_dir / "manifest.json").read_text())
+    entries = {k["name"]: k for k in manifest["kernels"]}
+    conv = entries["w4_dst_fused"]
+    assert conv["params"]["algorithm"] == "winograd"
+    assert conv["params"]["winograd"]["weights_transform"] == "w4_dst_fused__winograd_weights"
+    wei = next(a for a in conv["args"] if a["name"] == "weights")
+    assert wei["layout"]["tag"] == "hwOi16o" and wei["layout"]["shape"] == [24, 20, 6, 6]
+    t = entries["w4_dst_fused__winograd_weights"]
+    assert t["op"] == "winograd_weights"
+    assert [a["layout"]["tag"] for a in t["args"]] == ["oihw", "hwOi16o"]
+
+
+def test_auto_picks_by_the_cost_model(lib, lib_dir, rng):
+    sig = lib.kernels["auto_big"]
+    picked = sig.params["auto"]
+    assert picked["by"] == "cost model"
+    est = picked["estimate_us"]
+    assert picked["chosen"] == min(est, key=est.get)
+    assert set(est) == {"direct", *(f"winograd{m}" for m in wino.candidates(32))}
+    if picked["chosen"] != "direct":
+        got, ref, _ = _run(lib, "auto_big", rng)
+        assert np.abs(got - ref).max() <= wino.TOLERANCE * np.abs(ref).max()
+    strided = lib.kernels["auto_strided"].params["auto"]   # Winograd does not apply
+    assert strided["chosen"] == "direct" and set(strided["estimate_us"]) == {"direct"}
+
+
+@pytest.mark.parametrize("entry,match", [
+    ({"stride": [2, 2]}, "stride 1"),
+    ({"winograd_tile": 5}, "winograd_tile"),
+    ({"dtype": "int8", "weights": "hwOi16o"}, "float32"),
+    ({"algorithm": "fast"}, "algorithm"),
+])
+def test_bad_specs_are_refused(entry, match):
+    base = _conv("bad", (1, 16, 8, 8), 16, "nChw16c", "hwOi16o", 4, post_ops=[])
+    with pytest.raises(SpecError, match=match):
+        for req in parse_spec({"kernel": [{**base, **entry}]}).kernels:
+            make_kernels(req)
+
+
+# ---- bp.Graph -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("algorithm", ["winograd", "auto"])
+def test_graph_transforms_constant_weights_once(algorithm, rng, tmp_path):
+    x = rng.standard_normal((1, 16, 12, 12)).astype("float32")
+    w = rng.standard_normal((16, 16, 3, 3)).astype("float32")
+    b = rng.standard_normal(16).astype("float32")
+    g = bp.Graph(policy="tracked")
+    y = g.relu(g.conv2d(g.input("x", x.shape), g.constant("w", w), g.constant("b", b), pad=1,
+                        algorithm=algorithm))
+    g.output(y)
+    ref = np.maximum(conv_ref(x, w, b, pad=(1, 1), post_ops=[{"kind": "bias"}]), 0)
+    first = g.run(x=x)
+    assert first.report.weight_reorders >= 1
+    out = next(iter(first.numpy().values()))
+    assert np.abs(out - ref).max() <= wino.TOLERANCE * np.abs(ref).max()
+    assert g.run(x=x).report.weight_reorders == 0
+    w[:] = rng.standard_normal(w.shape)           # weights="check": transformed again
+    again = g.run(x=x)
+    assert again.report.weight_reorders >= 1
+    ref = np.maximum(conv_ref(x, w, b, pad=(1, 1), post_ops=[{"kind": "bias"}]), 0)
+    out = next(iter(again.numpy().values()))
+    assert np.abs(out - ref).max() <= wino.TOLERANCE * np.abs(ref).max()
+
+
+def test_graph_refuses_winograd_where_it_does_not_apply():
+    g = bp.Graph()
+    x = g.input("x", (1, 8, 8, 8))
+    with pytest.raises(ArgumentError, match="winograd"):
+        g.conv2d(x, g.constant("w", np.ones((8, 8, 3, 3), "float32")), stride=2, pad=1,
+                 algorithm="winograd")
+        g.plan(x=bp.Layout("nchw", (1, 8, 8, 8)))
+    with pytest.raises(ArgumentError, match="algorithm"):
+        g.conv2d(x, g.constant("w2", np.ones((8, 8, 3, 3), "float32")), algorithm="fft")
+
+
+# ---- other targets --------------------------------------------------------------------------
+
+TINY = {"kernel": [_conv("tiny", (1, 8, 6, 7), 8, "nChw4c", "hwOi4o", 2, post_ops=[])]}
+
+
+def test_avx512_gemm_is_zmm_fmas(tmp_path):
+    spec = {"kernel": [_conv("w", (1, 32, 8, 8), 32, "nChw16c", "hwOi16o", 4, post_ops=[])]}
+    bp.build(parse_spec(spec), "avx512", tmp_path, log=lambda m: None)
+    code = kernel_instructions(asm_functions(tmp_path), "w")
+    fmas = [i for i in code if "vfmadd" in i]
+    assert fmas and all("zmm" in i for i in fmas if "vfmadd231ps" in i)
+    assert sum("zmm" in i for i in fmas) >= 32
+
+
+@pytest.mark.skipif(bool(qemu.missing_tools()), reason="aarch64 toolchain / emulator not "
+                    "installed: " + "; ".join(qemu.missing_tools()))
+def test_neon_runs_under_qemu(tmp_path, rng):
+    bp.build(parse_spec(TINY), "neon", tmp_path, log=lambda m: None)
+    code = kernel_instructions(asm_functions(tmp_path), "tiny")
+    assert any(i.split()[0] == "fmla" for i in code if i.split())
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    lays = {a["name"]: bp.Layout.from_dict(a["layout"]) for k in manifest["kernels"]
+            if k["name"] == "tiny" for a in k["args"]}
+    x = rng.standard_normal((1, 8, 6, 7)).astype("float32")
+    w = rng.standard_normal((8, 8, 3, 3)).astype("float32")
+    u = bp.Memory(lays["weights"], np.zeros(lays["weights"].alloc_len, np.float32))
+    dst = bp.Memory(lays["dst"], np.full(lays["dst"].alloc_len, np.nan, np.float32))
+    qemu.run_many(tmp_path, [("tiny__winograd_weights", [w, u]),
+                             ("tiny", [bp.Memory.from_numpy(x, lays["src"]), u, dst])])
+    ref = conv_ref(x, w, pad=(1, 1))
+    assert np.abs(dst.to_numpy() - ref).max() <= wino.error_bound(2, 8) * np.abs(ref).max()
