@@ -142,13 +142,18 @@ def transform_name(kernel: str) -> str:
 
 # ---- auto's cost model --------------------------------------------------------------------------
 
-#: Throughputs measured on this project's AVX2 machine (EPYC, 1 thread, ``host`` kernels, the
-#: ResNet-50 3x3 layers of examples/bench_host.toml; figures of a loaded machine, so only their
-#: ratios count): the direct kernel's flops, the Winograd GEMM's flops and the transforms' adds
-#: and multiplies per second, and the bytes of transformed weights streamed per second (they
-#: are read once per call: at 7x7 with 512 channels they outweigh the GEMM). See
-#: ``estimate``; ``python -m blockpad.bench.conv`` prints the kernels' times to recalibrate.
-RATES = {"direct": 22e9, "gemm": 17e9, "transform": 2.3e9, "weights": 8e9}
+#: Throughputs measured on this project's AVX2 machine (EPYC, 1 thread, ``host`` kernels), the
+#: machine shared with other builds, so only their ratios count: the direct kernel on C64 K64
+#: 56x56 (22 GFLOP/s: 231 MFLOP in 10.4 ms, best of 7 rounds), and F(4x4) on the same layer
+#: (5.8 ms) split by ``perf record`` samples over its three parallel loops: the GEMM 58%
+#: (57.8 MFLOP: 17 GFLOP/s), the input transform 25% and the output transform 17% (3.3 M and
+#: 2.3 M adds and multiplies: 2.3 G/s). The weights rate (bytes of transformed weights
+#: streamed from memory per second, once per call: at 7x7 with 512 channels they outweigh the
+#: GEMM) is a numpy copy of that layer's 37.7 MB F(4x4) weights under the same load (2 GB/s,
+#: best of 30: this VM's memory is slow and shared). With these, the model gives 10.5, 8.4,
+#: 6.1 and 7.1 ms for direct, F(2), F(4), F(6) on that layer (measured: 10.4, 9.1, 5.8, 5.5),
+#: and picks direct at 7x7 x 512, where the weights dominate. ``estimate`` uses them.
+RATES = {"direct": 22e9, "gemm": 17e9, "transform": 2.3e9, "weights": 2e9}
 
 
 def _nonzeros(mat) -> int:

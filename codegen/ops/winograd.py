@@ -85,7 +85,7 @@ def make(layouts, name, policy, geo, post_ops, tile=DEFAULT_TILE):
     # the tiles [lo, hi) along h (w) whose input window lies inside the image
     inner_h = (-(-ph // m), (geo.h - a + ph) // m + 1)
     inner_w = (-(-pw // m), (geo.w - a + pw) // m + 1)
-    reads_padding = kp > geo.k    # the GEMM runs over whole panels of the weights' padding
+    over_padding = kp > geo.k    # the GEMM runs over whole panels of the weights' padding
 
     def opdef(mode):
         x, u = Source("src", src, mode), Source("weights", wl, mode)
@@ -156,9 +156,9 @@ def make(layouts, name, policy, geo, post_ops, tile=DEFAULT_TILE):
                   "winograd": {"tile": m, "weights_transform": transform_name(name),
                                "weights": wl.describe(), "logical_weights": logical_w.describe()}}
         return OpDef("conv2d", [x, u, *post.sources.values()], value, epilogue=post,
-                     reads_padding=reads_padding, params=params)
+                     params=params)
 
-    p = plan_for(policy, opdef("trusted"), dst, reduces_over_padding=reads_padding)
+    p = plan_for(policy, opdef("trusted"), dst, reduces_over_padding=over_padding)
     kernels = materialize(opdef(p.reads), dst, p, name)
     dims = [d.dim for d in dst.physical]
     inner_c = max(i for i, d in enumerate(dst.physical) if d.dim == 1)
