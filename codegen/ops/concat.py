@@ -21,7 +21,7 @@ from blockpad.errors import SpecError
 
 from .common import OpDef, Source, materialize, plan_for
 
-MAX_INPUTS = 64
+MAX_INPUTS = 128   # DenseNet-264 concatenates 65 values
 TENSORS = (*(f"src{i}" for i in range(MAX_INPUTS)), "dst")
 PARAMS = {"axis": 1, "sizes": None}
 
