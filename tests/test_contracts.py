@@ -7,10 +7,10 @@ policy."""
 
 import numpy as np
 import pytest
-from blockpad.codegen.policy import POLICIES
-from blockpad.codegen.spec import parse_spec
 
 import blockpad as bp
+from blockpad.codegen.policy import POLICIES
+from blockpad.codegen.spec import parse_spec
 
 from .reference import conv_reference, pool
 

@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from blockpad.codegen.spec import parse_spec
 
 import blockpad as bp
+from blockpad import manifest
+from blockpad.codegen.spec import parse_spec
+from blockpad.runtime.library import Signature
+from blockpad.testing import qemu
 
 SHAPE = [2, 20, 4, 5]
 ALGORITHMS = {   # name: (spec fields, torch)
@@ -89,19 +92,42 @@ def test_conv_post_op(lib, x, name):
     _check(_run(lib, f"conv_{name}", x, w), want)
 
 
-@pytest.mark.parametrize("axis", [1, 3])
-@pytest.mark.parametrize("log", [False, True])
-def test_softmax(lib, x, axis, log):
-    """A row holding a NaN or +inf is NaN throughout (inf - inf), -inf gives 0 / -inf."""
-    t = torch.from_numpy(x).double()
-    _check(_run(lib, f"softmax_{axis}_{log}", x), (F.log_softmax if log else F.softmax)(t, axis))
+# PyTorch's result for each single-source kernel (softmax in float64)
+TORCH = {
+    **{f"eltwise_{n}": f for n, (_, f) in ALGORITHMS.items()},
+    **{f"softmax_{axis}_{log}": (lambda t, a=axis, lg=log:
+                                 (F.log_softmax if lg else F.softmax)(t.double(), a))
+       for axis in (1, 3) for log in (False, True)},
+    "pool_max": lambda t: F.max_pool2d(t, 3, (1, 2), 1),
+    "pool_avg": lambda t: F.avg_pool2d(t, 3, (1, 2), 1, count_include_pad=False),
+    "pool_max_plain": lambda t: F.max_pool2d(t, 2),
+}
 
 
-def test_pool(lib, x):
-    t = torch.from_numpy(x)
-    _check(_run(lib, "pool_max", x), F.max_pool2d(t, 3, (1, 2), 1))
-    _check(_run(lib, "pool_avg", x), F.avg_pool2d(t, 3, (1, 2), 1, count_include_pad=False))
-    _check(_run(lib, "pool_max_plain", x), F.max_pool2d(t, 2))
+@pytest.mark.parametrize("name", [n for n in TORCH if not n.startswith("eltwise")])
+def test_softmax_and_pool(lib, x, name):
+    """A softmax row holding a NaN or +inf is NaN throughout (inf - inf), -inf gives 0 / -inf;
+    a pooling window holding a NaN is NaN."""
+    _check(_run(lib, name, x), TORCH[name](torch.from_numpy(x)))
+
+
+@pytest.mark.skipif(bool(qemu.missing_tools()), reason="runs aarch64 code under qemu, and this "
+                    "machine lacks: " + "; ".join(qemu.missing_tools()))
+def test_neon_under_qemu(tmp_path, x):
+    """The same kernels for Arm NEON (other vector instructions: fmax/fmaxnm, bsl)."""
+    names = list(TORCH)
+    bp.build(parse_spec({"library": {"name": "nan-inf-neon"},
+                         "kernel": [k for k in KERNELS if k["name"] in names]}), "neon",
+             tmp_path, log=lambda m: None)
+    sigs = {k["name"]: Signature(k) for k in manifest.read(tmp_path)["kernels"]}
+    outs, calls = {}, []
+    for name in names:
+        src, dst = sigs[name].args[0][2], sigs[name].args[-1][2]
+        outs[name] = bp.Memory.from_numpy(np.zeros(dst.shape, "float32"), dst)
+        calls.append((name, [bp.Memory.from_numpy(x, src), outs[name]]))
+    qemu.run_many(tmp_path, calls)
+    for name in names:
+        _check(outs[name].to_numpy(), TORCH[name](torch.from_numpy(x)))
 
 
 def test_nan_anywhere_in_a_max_window(lib):

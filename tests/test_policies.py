@@ -4,13 +4,13 @@ same numbers."""
 
 import numpy as np
 import pytest
+
+import blockpad as bp
 from blockpad.codegen.build import make_kernels
 from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
 from blockpad.runtime import counters
 from blockpad.runtime.stream import Stream
-
-import blockpad as bp
 
 from .reference import eltwise
 
