@@ -292,3 +292,24 @@ def test_neon_runs_under_qemu(tmp_path, rng):
                              ("tiny", [bp.Memory.from_numpy(x, lays["src"]), u, dst])])
     ref = conv_ref(x, w, pad=(1, 1))
     assert np.abs(dst.to_numpy() - ref).max() <= wino.error_bound(2, 8) * np.abs(ref).max()
+
+
+def test_auto_prefers_tuning_records_to_the_cost_model():
+    """Where records time some candidates, the fastest recorded one wins whatever the model
+    says; the chosen request keeps the kernel's name and says under which name it was tuned."""
+    from blockpad.codegen import auto
+
+    req = next(iter(parse_spec({"kernel": [{
+        "name": "a", "op": "conv2d", "shape": [1, 16, 12, 12], "channels": 16,
+        "kernel": [3, 3], "pad": [1, 1], "src": "nChw8c", "weights": "OIhw8i8o",
+        "dst": "nChw8c", "algorithm": "auto"}]}).kernels))
+    labels = [label for label, _ in auto.candidates(req)]
+    assert labels == ["direct", *(f"winograd{m}" for m in wino.candidates(16))]
+    times = {"a__auto_direct": 2e-4, "a__auto_winograd6": 1e-4}
+    chosen, picked = auto.resolve(req, lambda c: times.get(c.name))
+    assert picked["chosen"] == "winograd6" and picked["by"] == "tuning records"
+    assert chosen.name == "a" and picked["tuned_as"] == "a__auto_winograd6"
+    assert dict(chosen.params)["winograd_tile"] == 6
+    assert chosen.layout["weights"].shape == (16, 16, 8, 8)
+    _, by_model = auto.resolve(req, lambda c: None)
+    assert by_model["by"] == "cost model"
