@@ -100,7 +100,7 @@ y = model(DLPackOnly(x))
 t1 = time.perf_counter()
 np.save(sys.argv[3], y)
 print(json.dumps({"first_s": t1 - t0, "modules": sorted(
-    m for m in ("tvm", "onnx", "blockpad.codegen", "blockpad.model_build")
+    m for m in ("tvm", "onnx", "blockpad.onnx", "blockpad.codegen", "blockpad.model_build")
     if m in sys.modules)}))
 """
 
