@@ -1,7 +1,7 @@
 """How to compute on each target: one module per target family, dispatched by a plain table.
 
-A rule is an object with ``apply(func, target) -> Schedule | None`` (TVM dlight's contract):
-None means "not mine", and the next rule in the family's list is tried.
+A rule is a ``rule.ScheduleRule``: ``apply(func, target) -> Schedule | None`` (TVM dlight's
+contract), None meaning "not mine"; ``rule.first_match`` walks a family's list.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import tvm
 
 from . import (arm, cpu_reduction, cuda, cuda_conv, cuda_reduction, data_movement, generic,
                register_tiled, winograd, x86_tensorized)
-from .common import op_of
 from .elementwise import Elementwise
+from .rule import first_match
 from .vector_math import VectorMath
 
 RULES = {
@@ -25,9 +25,4 @@ RULES = {
 
 def schedule(func: tvm.tirx.PrimFunc, target) -> tvm.tirx.PrimFunc:
     """Apply the first rule of ``target.family`` that takes ``func``; return the scheduled func."""
-    for rule in RULES[target.family]:
-        sch = rule.apply(func, target)
-        if sch is not None:
-            return sch.mod["main"]
-    raise NotImplementedError(f"no {target.family} schedule rule takes op "
-                              f"{op_of(func)!r}")
+    return first_match(RULES[target.family], func, target)[1].mod["main"]

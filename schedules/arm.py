@@ -45,9 +45,9 @@ class Sdot(DotTiled):
 
     feature, lanes, tile = "asimddp", 4, ARM_TILE
 
-    def apply(self, func, target):
+    def schedule(self, func, target):
         # exp/erf/tanh/sigmoid post-ops as NEON polynomials, not a libm call per lane
-        return super().apply(vector_math(func), target)
+        return super().schedule(vector_math(func), target)
 
     def intrin(self, nest):
         if (nest.src_dtype, nest.wei_dtype, nest.acc_dtype) != ("int8", "int8", "int32"):

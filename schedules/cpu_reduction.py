@@ -38,8 +38,9 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.vocabulary import ACC, DST, EXP, MAX, NORM, SOFTMAX_STAGES, SUM
 
-from .common import op_of, vector_lanes
+from .common import vector_lanes
 from .data_movement import SERIAL_BYTES
+from .rule import ScheduleRule
 
 TILE_BYTES = 64 << 10    # softmax rows computed together: their source stays in L2 between passes
 SPATIAL, REDUCE = 0, 2   # IterVar types
@@ -47,12 +48,10 @@ SPATIAL, REDUCE = 0, 2   # IterVar types
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
 
-class Softmax:
+class Softmax(ScheduleRule):
     ops = ("softmax",)
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops:
-            return None
+    def schedule(self, func, target):
         sch = s_tir.Schedule(_store_padding_back(func))
         try:
             return sch if _softmax(sch, vector_lanes(target, "float32")) else None
@@ -60,12 +59,10 @@ class Softmax:
             return None
 
 
-class Pool:
+class Pool(ScheduleRule):
     ops = ("pool",)
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops:
-            return None
+    def schedule(self, func, target):
         sch = s_tir.Schedule(_store_padding_back(func))
         try:
             return sch if _pool(sch, vector_lanes(target, "float32")) else None

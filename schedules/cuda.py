@@ -27,25 +27,24 @@ import threading
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from .common import is_true, op_of
+from .common import is_true
+from .rule import ScheduleRule
 
 THREADS = 256   # threads per block: 8 warps, enough to hide latency at full occupancy
 TENSOR_CORE_MIN = 64   # dlight's minimal_tensorize_threshold: M, N and K must each exceed it
 
 
-class Elementwise:
+class Elementwise(ScheduleRule):
     ops = ("reorder", "zero_pad", "eltwise", "binary")
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops:
-            return None
+    def schedule(self, func, target):
         return _bind_all(s_tir.Schedule(func))
 
 
-class Fallback:
+class Fallback(ScheduleRule):
     """Valid for any kernel: spatial loops to blocks x threads, reductions serial per thread."""
 
-    def apply(self, func, target):
+    def schedule(self, func, target):
         return _bind_all(s_tir.Schedule(func))
 
 
@@ -219,7 +218,7 @@ def _root_blocks(sch):
     return sch.get_child_blocks(root)
 
 
-class Matmul:
+class Matmul(ScheduleRule):
     """Matmul-shaped reductions (``C[m, n] += A[m, k] * B[k, n]`` in any layouts, blocked ones
     included: each operand is re-indexed to a plain matrix on its way to shared memory) with TVM's
     dlight GPU matmul rule. fp16 and bf16 sources with fp32 accumulation run on tensor cores (``wmma``:
@@ -230,9 +229,7 @@ class Matmul:
 
     ops = ("matmul",)
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops:
-            return None
+    def schedule(self, func, target):
         from tvm.s_tir import dlight
 
         from .cuda_bf16 import tensor_core_matmul

@@ -41,11 +41,11 @@ from tvm import s_tir
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import op_of
 from .cuda import (TENSOR_CORE_MIN, bind_spatial, dlight_style, loop_depth, pow2_above,
                    predicated_schedule, uses)
 from .generic import root_blocks
 from .halo import staged_source
+from .rule import ScheduleRule
 
 _IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 THREADS = 256             # most threads in a block
@@ -55,7 +55,7 @@ STEPS = (16, 8, 4, 2, 1)  # channel steps tried, the largest that fits first
 TENSOR_CORE_SOURCES = ("float16", "uint16")   # uint16: bf16 bits (cuda_bf16 declines others)
 
 
-class TensorCoreConv:
+class TensorCoreConv(ScheduleRule):
     """fp16 and bf16 convolution (fp32 accumulation) on tensor cores, as an implicit GEMM: output pixels
     (batch, rows, columns) x output channels = M x N, input channels x window = K. The
     reduction is dlight's matmul after all (``C[S, I, J] += A[S, I, K] * B[S, J, K]``, with
@@ -76,9 +76,10 @@ class TensorCoreConv:
 
     ops = ("conv2d",)
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops or not _tensor_core_gemm(func):
-            return None
+    def takes(self, func, target):
+        return super().takes(func, target) and _tensor_core_gemm(func)
+
+    def schedule(self, func, target):
         from tvm.s_tir.dlight.gpu.matmul import MatmulTensorization
 
         from .cuda_bf16 import tensorized
@@ -106,12 +107,10 @@ def _tensor_core_gemm(func) -> bool:
     return all(d > TENSOR_CORE_MIN for d in dims.values())
 
 
-class DirectConv:
+class DirectConv(ScheduleRule):
     ops = ("conv2d",)
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops:
-            return None
+    def schedule(self, func, target):
         # scheduled over compact parameters (the shared tiles copy a parameter's declaration,
         # symbolic element offset included); the layouts' own ones are put back afterwards
         return predicated_schedule(staged_source(func), _conv, align=16)

@@ -32,28 +32,24 @@ import math
 
 from blockpad.vocabulary import ACC, DST, EXP, MAX, NORM, SUM
 
-from .common import op_of
 from .cuda import THREADS, bind_spatial, loop_depth, pow2_above, predicated_schedule, uses
+from .rule import ScheduleRule
 
 EXP_BYTES = 32 << 10   # the largest exp tile kept in shared memory
 SPATIAL = 0            # IterVar type
 
 
-class Softmax:
+class Softmax(ScheduleRule):
     ops = ("softmax",)
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops:
-            return None
+    def schedule(self, func, target):
         return predicated_schedule(func, _softmax)
 
 
-class Pool:
+class Pool(ScheduleRule):
     ops = ("pool",)
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops:
-            return None
+    def schedule(self, func, target):
         return predicated_schedule(func, _pool)
 
 

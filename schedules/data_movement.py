@@ -34,9 +34,10 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from .common import divisor_at_most, op_of, vector_lanes
+from .common import divisor_at_most, vector_lanes
 from .generic import root_blocks
 from .nest import Nest, uses
+from .rule import ScheduleRule
 
 TILE_BYTES = 8 << 10     # a tile (source-contiguous loop x destination's innermost) this small
                          # is taken whole: the walk stays the plain one, streams stay long
@@ -47,15 +48,13 @@ TASK_ELEMS = 4096        # parallel tasks at least this many elements...
 SERIAL_BYTES = 128 << 10  # ...and no threads at all below this many bytes (measured crossover)
 
 
-class DataMovement:
+class DataMovement(ScheduleRule):
     """Reorders (tiled transpose, partitioned at padding edges) and zero fills (vectorised
     along the innermost dim, outer dims in parallel)."""
 
     ops = ("reorder", "zero_pad")
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops:
-            return None
+    def schedule(self, func, target):
         sch = s_tir.Schedule(func)
         try:
             for block in root_blocks(sch):

@@ -53,9 +53,10 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import divisor_at_most, is_true, op_of
+from .common import divisor_at_most, is_true
 from .generic import root_blocks, spatial_parallel_vectorize
 from .nest import substitute, uses
+from .rule import ScheduleRule
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 SPATIAL, REDUCE = 0, 2   # IterVar types
@@ -132,7 +133,7 @@ class DotShape:
         return self.extents[self.u] if self.u is not None else self.extents[self.n_sp - 1] // lanes
 
 
-class DotTiled:
+class DotTiled(ScheduleRule):
     """int8 convolution and matmul, register-tiled around a dot-product intrinsic ``C[lanes]
     i32 += A[4] . B[lanes, 4] i8`` (``dot_intrin.dot_desc``). A target rule says which CPU
     feature it needs (``feature``), how many int32 lanes the instruction fills (``lanes``),
@@ -147,9 +148,10 @@ class DotTiled:
     def intrin(self, nest) -> str | None:
         raise NotImplementedError
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops or self.feature not in target.features:
-            return None
+    def takes(self, func, target):
+        return super().takes(func, target) and self.feature in target.features
+
+    def schedule(self, func, target):
         func = pad_dot(lift_weight_guard(func, self.lanes), self.lanes)
         # two or three column vectors per row where the column blocks divide so, else one
         for blocks in (2, 3, 1):

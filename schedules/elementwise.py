@@ -24,23 +24,22 @@ import tvm_ffi
 from tvm import s_tir
 
 from . import generic
-from .common import is_true, op_of, vector_lanes
+from .common import is_true, vector_lanes
 from .nest import Nest
+from .rule import ScheduleRule
 from .vector_math import vector_math
 
 TASK_ELEMS = 4096      # a parallel task gets at least this many elements...
 SERIAL_ELEMS = 16384   # ...and a kernel this small runs on one thread
 
 
-class Elementwise:
+class Elementwise(ScheduleRule):
     """Eltwise and binary ops: outer loops in parallel, innermost loop vectorised to the
     register width, loops partitioned so that no condition varies across the lanes."""
 
     ops = ("eltwise", "binary")
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops:
-            return None
+    def schedule(self, func, target):
         sch = s_tir.Schedule(vector_math(func))
         try:
             for block in generic.root_blocks(sch):

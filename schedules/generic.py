@@ -9,10 +9,11 @@ import math
 from tvm import s_tir
 
 from .common import vector_lanes
+from .rule import ScheduleRule
 
 
-class Fallback:
-    def apply(self, func, target):
+class Fallback(ScheduleRule):
+    def schedule(self, func, target):
         sch = s_tir.Schedule(func)
         for block in root_blocks(sch):
             spatial_parallel_vectorize(sch, block, target)

@@ -54,10 +54,11 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import is_true, op_of, vector_lanes
+from .common import is_true, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source
 from .nest import substitute
+from .rule import ScheduleRule
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 SPATIAL, REDUCE = 0, 2   # IterVar types
@@ -82,15 +83,15 @@ class Config:
     mu: int = 1
 
 
-class RegisterTiled:
+class RegisterTiled(ScheduleRule):
     ops = ("conv2d", "matmul")
 
-    def apply(self, func, target):
+    def schedule(self, func, target):
         space = self.space(func, target, first=True)
         return space[0] if space else None
 
     def space(self, func, target, first=False) -> list:
-        """Complete, valid schedules of ``func``, the first one ``apply``'s: the design spaces
+        """Complete, valid schedules of ``func``, the first one ``schedule``'s: the design spaces
         ``schedules/space.py`` hands MetaSchedule (register tile shapes, one or two vectors of
         columns, unrolled or rolled channel loop, what the threads split), each once: two
         Configs can schedule alike (what the threads split, where the whole panels are one).
@@ -112,7 +113,7 @@ class RegisterTiled:
 
     def configs(self, func, target) -> list:
         """The default Config first, then its neighbours; [] if ``func`` is not this rule's."""
-        if op_of(func) not in self.ops:
+        if not self.takes(func, target):
             return []
         shape = _nest_shape(func)
         if shape is None:

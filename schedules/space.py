@@ -1,9 +1,9 @@
 """Search spaces for autotuning: the schedule variants of blockpad's own rules, each one a
 MetaSchedule workload.
 
-A rule may expose ``space(func, target) -> list[Schedule]``: complete schedules of ``func``,
-the first one what ``apply`` returns (register tiles, vector widths, parallel splits). A rule
-without it contributes its one schedule. Tuning measures these variants.
+A rule's ``space(func, target) -> list[Schedule]`` gives complete schedules of ``func``, the
+first one what ``apply`` returns (register tiles, vector widths, parallel splits); a rule whose
+space is empty (``rule.ScheduleRule``'s default) contributes its one schedule. Tuning measures these variants.
 
 Why each variant is its own workload, with a trivial trace, rather than one workload per
 kernel with a trace per variant (MetaSchedule's ``ScheduleFn`` way): a rule may rewrite
@@ -25,7 +25,7 @@ import tvm
 from blockpad.vocabulary import OP_ATTR
 
 from . import RULES
-from .common import op_of
+from .rule import first_match
 
 #: Attributes that name a kernel rather than describe its computation: a record must match the
 #: same computation whatever the kernel is called.
@@ -45,13 +45,7 @@ def workload(func: tvm.tirx.PrimFunc) -> tvm.IRModule:
 
 def variants(func, target) -> list:
     """The scheduled funcs tuning chooses between, from the first rule of ``target.family``
-    that takes ``func``: ``rule.space`` if the rule has one, else ``[rule.apply]``; the rule's
+    that takes ``func``: its ``space`` where that is not empty, else its one schedule; the rule's
     default first."""
-    for rule in RULES[target.family]:
-        sch = rule.apply(func, target)
-        if sch is None:
-            continue
-        space = getattr(rule, "space", None)
-        schedules = (space(func, target) if space is not None else None) or [sch]
-        return [s.mod["main"] for s in schedules]
-    raise NotImplementedError(f"no {target.family} schedule rule takes op {op_of(func)!r}")
+    rule, sch = first_match(RULES[target.family], func, target)
+    return [s.mod["main"] for s in rule.space(func, target) or [sch]]

@@ -16,14 +16,15 @@ import tvm_ffi
 from tvm import tirx
 
 from . import generic
+from .rule import ScheduleRule
 
 
-class VectorMath:
+class VectorMath(ScheduleRule):
     """Kernels no other rule took (softmax, pooling, fp32 convolution and matmul with an eltwise
     post-op) that call exp/erf/tanh/sigmoid: the generic schedule over ``vector_math``'s
     rewrite. Kernels without such calls are left to ``generic.Fallback`` as they are."""
 
-    def apply(self, func, target):
+    def schedule(self, func, target):
         new = vector_math(func)
         return None if new.same_as(func) else generic.Fallback().apply(new, target)
 

@@ -32,15 +32,16 @@ from .common import op_of, vector_lanes
 from .dot_tiled import _predicate, _realize, _take_predicate
 from .generic import root_blocks, spatial_parallel_vectorize
 from .nest import substitute
+from .rule import ScheduleRule
 
 ATTR = "blockpad.winograd"
 STAGES = ("wino_dt", "wino_v", "wino_acc", "wino_m", "wino_t", "dst")
 
 
-class Winograd:
+class Winograd(ScheduleRule):
     ops = ("conv2d",)
 
-    def apply(self, func, target):
+    def schedule(self, func, target):
         space = self.space(func, target, first=True)
         return space[0] if space else None
 

@@ -44,9 +44,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from . import x86_intrin as xi
-from .common import op_of
 from .dot_tiled import DotTiled, schedule, tile_acc, tile_dst
 from .nest import uses
+from .rule import ScheduleRule
 
 VNNI_TILE = 15   # vectors in a register tile; 16 x 16 int32 would be 1 KiB, which TVM puts on
                  # the heap
@@ -66,7 +66,7 @@ class Vnni(DotTiled):
         return None if kind is None else xi.name(kind, self.reference)
 
 
-class Amx:
+class Amx(ScheduleRule):
     """int8 and bf16 convolution and matmul on AMX tiles."""
 
     ops = ("conv2d", "matmul")
@@ -81,9 +81,10 @@ class Amx:
     def __init__(self, reference: bool = False):
         self.reference = reference
 
-    def apply(self, func, target):
-        if op_of(func) not in self.ops or "amx_tile" not in target.features:
-            return None
+    def takes(self, func, target):
+        return super().takes(func, target) and "amx_tile" in target.features
+
+    def schedule(self, func, target):
         return schedule(func, target, self._tile)
 
     def _tile(self, sch, acc, dst, nest):

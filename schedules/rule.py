@@ -1,0 +1,42 @@
+"""The schedule rule contract, once: TVM dlight's ``apply(func, target) -> Schedule | None``.
+
+None means "not mine", and the next rule of the target family's list is tried (``first_match``,
+the one walk both scheduling, ``schedules.schedule``, and tuning, ``schedules.space``, use). A
+rule says which ops it takes (``ops``) and, where it needs more (a CPU feature, a shape),
+refines ``takes``; ``schedule`` then only schedules.
+"""
+
+from __future__ import annotations
+
+from .common import op_of
+
+
+class ScheduleRule:
+    #: the blockpad ops this rule schedules (``codegen.kernel.finish`` names them); () every op
+    ops: tuple = ()
+
+    def takes(self, func, target) -> bool:
+        """Whether ``func`` is this rule's to schedule for ``target``."""
+        return not self.ops or op_of(func) in self.ops
+
+    def apply(self, func, target):
+        """A schedule of ``func``, or None if it is not this rule's (or the rule gives up)."""
+        return self.schedule(func, target) if self.takes(func, target) else None
+
+    def schedule(self, func, target):
+        """Schedule ``func``, which ``takes`` accepted; None if the rule cannot after all."""
+        raise NotImplementedError
+
+    def space(self, func, target) -> list:
+        """Complete schedules of ``func`` for tuning to choose between, ``apply``'s first; []
+        when the rule has no variants (tuning then measures ``apply``'s one schedule)."""
+        return []
+
+
+def first_match(rules, func, target):
+    """``(rule, schedule)`` of the first of ``rules`` that takes ``func``."""
+    for rule in rules:
+        sch = rule.apply(func, target)
+        if sch is not None:
+            return rule, sch
+    raise NotImplementedError(f"no {target.family} schedule rule takes op {op_of(func)!r}")
