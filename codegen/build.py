@@ -65,7 +65,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
         picked = None
         if auto.is_auto(req):   # conv2d algorithm = "auto": records, else the cost model
             resolved = failed.run(req, "choosing the algorithm", lambda: auto.resolve(  # noqa: B023
-                req, lambda c: _recorded(logs, c, tvm_target)))
+                req, lambda c: _recorded(logs, c, tvm_target)))  # noqa: B023 (run now)
             if resolved is None:
                 log(f"[{i}/{n}] {req.name}: FAILED")
                 continue

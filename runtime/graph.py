@@ -422,7 +422,8 @@ class Graph:
         fused into the kernel, e.g. ``["bias", "relu"]`` or dicts ``{"kind": "eltwise",
         "algorithm": "relu"}``, ``{"kind": "sum", "scale": 1.0}`` (reads ``sum``). A ``bias``
         given without a chain is applied first; a ``sum`` tensor has no such default place in
-        the chain (before or after an activation differ), so it needs its ``"sum"`` entry.. ``algorithm``: ``"direct"``, ``"winograd"``
+        the chain (before or after an activation differ), so it needs its ``"sum"`` entry.
+        ``algorithm``: ``"direct"``, ``"winograd"``
         (3x3, stride 1, fp32: F(m x m, 3x3), ``winograd_tile`` m = 2, 4 (default) or 6; the
         constant weights are transformed once, by the library's ``winograd_weights`` kernel)
         or ``"auto"`` (the cost model of ``blockpad.winograd`` picks, within its error
