@@ -60,7 +60,7 @@ def placeholder(layout: Layout, name: str, storage: str) -> te.Tensor:
 def strided_buffer(layout: Layout, name: str, storage: str) -> tirx.Buffer:
     """The buffer a kernel parameter is declared with: the layout's physical shape and strides,
     aligned only to the element, so any view of a user's allocation is accepted (numpy gives 16
-    bytes, TVM's compact default would assume 64 and crash, tvm027.md section 0.3)."""
+    bytes, TVM's compact default would assume 64 and crash, docs/tvm-0.27-notes.md 3)."""
     itemsize = tvm_ffi.dtype(storage).itemsize
     return tirx.decl_buffer(layout.physical_shape, storage, name,
                             strides=list(layout.physical_strides), offset_factor=1,

@@ -1,4 +1,4 @@
-"""The six zero-padding policies (seed 000, DESIGN.md) and what each makes the generator emit.
+"""The six zero-padding policies (seed 000; docs/padding-contract.md) and what each makes the generator emit.
 
 A policy is decided per kernel into a ``PaddingPlan``: how the kernel reads its sources' padding,
 how it writes its destination's, which separate zero-pad stages run around it, and the contract the

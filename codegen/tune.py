@@ -53,7 +53,7 @@ class Rpc:
 
 def build_candidate(mod, target, _params):
     """MetaSchedule's builder function: ``tirx.build``. Not MetaSchedule's default, which
-    imports every tensor intrinsic in each worker (30 s; tvm027.md section 6)."""
+    imports every tensor intrinsic in each worker (30 s; docs/tvm-0.27-notes.md 7)."""
     import tvm
 
     return tvm.tirx.build(mod, target=target)

@@ -3,7 +3,7 @@
 * ``blockpad_dot_4x4_i8i8s32_sdot``: ``C[4] i32 += A[4] i8 . B[4, 4] i8`` with one ``sdot``
   (Armv8.2-A dotprod). Description and implementation are those of TVM's own
   ``dot_4x4_i8i8s32_sdot`` (tvm.s_tir.tensor_intrin.arm_cpu), defined here because importing
-  that package parses every intrinsic TVM has, CUDA's included: 30 s and more (tvm027.md 0.2),
+  that package parses every intrinsic TVM has, CUDA's included: 30 s and more (docs/tvm-0.27-notes.md 2),
   and with ``align=1`` buffers: blockpad's kernel parameters promise only element alignment.
 """
 

@@ -302,7 +302,7 @@ def _micro_kernel(sch, acc, dst, threads, u, n_dims, cfg: Config):
         sch.reorder(*reduce, *a_tile, at, av)
     for loop in (*a_tile, at):
         sch.unroll(loop)
-    _vectors(sch, av, cfg.lanes)           # before decompose_reduction (tvm027.md 1a)
+    _vectors(sch, av, cfg.lanes)           # before decompose_reduction (docs/tvm-0.27-notes.md 4)
     init = sch.decompose_reduction(acc, reduce[0])
     init_loops = sch.get_loops(init)
     init_tile = [init_loops[len(init_loops) - n_dims + u]] if u is not None else []

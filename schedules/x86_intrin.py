@@ -1,4 +1,4 @@
-"""Tensor intrinsics blockpad needs on x86 and TVM 0.27 lacks or gets wrong (tvm027.md §2-3):
+"""Tensor intrinsics blockpad needs on x86 and TVM 0.27 lacks or gets wrong (docs/tvm-0.27-notes.md 5):
 
 * ``vnni_16x4``: ``C[16] i32 += A[4] u8 . B[16, 4] i8`` with ``vpdpbusd`` (TVM's own fails LLVM
   22 verification: the intrinsic's operand types changed), and ``vnni_s8s8_16x4``, the same

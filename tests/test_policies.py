@@ -1,4 +1,4 @@
-"""The six padding policies: the generated code differs as DESIGN.md's table says, the
+"""The six padding policies: the generated code differs as docs/padding-contract.md's table says, the
 manifest records each kernel's contract, the runtime honours it, and every policy computes the
 same numbers."""
 

@@ -67,7 +67,7 @@ ARM_KERNELS = {
                   "weights": "BA4b4a", "dst": "ab"},
 }
 # CUDA: fp32 only; the fp16/bf16 tensor-core kernels need TVM's own tensor intrinsics, whose
-# import costs a minute (tvm027.md 0.2), too much for a quick look
+# import costs a minute (docs/tvm-0.27-notes.md 2), too much for a quick look
 CUDA_KERNELS = {k: X86_KERNELS[k] for k in ("conv_f32", "mm_f32")}
 TARGETS = {"avx512": X86_KERNELS, "avx512-vnni": X86_KERNELS, "amx": X86_KERNELS,
            "neon": ARM_KERNELS, "neon-dotprod": ARM_KERNELS, "cuda-sm80": CUDA_KERNELS}

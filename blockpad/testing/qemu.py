@@ -1,7 +1,7 @@
 """Run kernels of an aarch64 library (``--target neon`` / ``neon-dotprod``) on an x86 machine,
 under qemu-user, with no aarch64 Python or TVM install.
 
-Pieces (shared/tvm027.md section 4):
+Pieces (docs/tvm-0.27-notes.md 6):
 
 * ``tvm_run.c`` (beside this file): a small C harness that dlopens ``kernels.so``, fills the
   runtime hooks the library expects (parallel launch run serially, workspace allocation), builds
