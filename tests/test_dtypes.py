@@ -2,7 +2,9 @@
 builds but cannot be called: see test_bf16_eltwise_is_callable): a derandomized hypothesis
 sample of algorithms, layouts, broadcasting and policies per type, built into one library and
 checked against numpy in float64, with the padding contract and guards around the
-destination."""
+destination. Integer kernels get inputs over the type's whole range and alpha/beta that leave it
+(negative clip bounds of unsigned types too): the reference computes in float64, then rounds
+half to even and saturates to the type's range, as oneDNN converts its f32 result."""
 
 from __future__ import annotations
 
@@ -21,14 +23,17 @@ TAGS = ("nchw", "nhwc", "nChw8c", "nChw16c")
 # relative and absolute tolerance per float type (the unit roundoff of the type, times the
 # few roundings of the longest algorithm); integers are exact
 TOLERANCE = {"float64": 1e-9, "float32": 2e-6, "float16": 4e-3, "bfloat16": 3e-2}
-INT_RANGE = {"int8": (-10, 10), "uint8": (0, 15), "int32": (-1000, 1000)}   # no overflow
+# integer eltwise: alpha and beta are half-integers (products of inputs with them are exact in
+# f32, so rounding half to even is tested, not luck) and some leave the type's range
+INT_ALPHA = (-300.0, -1.5, -1.0, 0.0, 0.5, 2.5)
+INT_BETA = (-0.5, 2.0, 5.0, 1000.0)
 GUARD = 16
 
 
 @st.composite
 def entries(draw, dtype):
-    """One eltwise or binary kernel of ``dtype``: integers take the algorithms that stay
-    integers (relu, clip to integer bounds; add, mul)."""
+    """One eltwise or binary kernel of ``dtype``: integers take the algorithms exact in their
+    arithmetic type (relu and leaky relu, clip, linear; add, mul)."""
     shape = [draw(st.integers(1, 2)), draw(st.integers(1, 20)), draw(st.integers(1, 3)),
              draw(st.integers(1, 5))]
     entry = {"dtype": dtype, "shape": shape, "policy": draw(st.sampled_from(
@@ -41,20 +46,20 @@ def entries(draw, dtype):
             entry["shape1"] = [1, shape[1], 1, 1]    # a per-channel operand, broadcast
         return entry
     floats = dtype in TOLERANCE
-    algorithm = draw(st.sampled_from(sorted(ELTWISE) if floats else ["relu", "clip"]))
+    algorithm = draw(st.sampled_from(sorted(ELTWISE) if floats else ["relu", "clip", "linear"]))
     entry |= {"op": "eltwise", "src": draw(st.sampled_from(TAGS)), "algorithm": algorithm}
-    if algorithm in ("clip", "linear"):
-        # unsigned: bounds >= 0 (a negative clip bound of a uint8 kernel fails code generation
-        # with a TVM InternalError rather than a SpecError: a known bug)
-        low = 0 if dtype.startswith("uint") else -3
-        entry |= {"alpha": float(draw(st.integers(low, 1))), "beta": float(draw(st.integers(2, 5)))}
+    if floats and algorithm in ("clip", "linear"):
+        entry |= {"alpha": float(draw(st.integers(-3, 1))), "beta": float(draw(st.integers(2, 5)))}
+    elif not floats:
+        entry |= {"alpha": draw(st.sampled_from(INT_ALPHA)), "beta": draw(st.sampled_from(INT_BETA))}
     return entry
 
 
 def _source(lay, rng, dirty):
     dt = bp.layout.numpy_dtype(lay.dtype)
-    if dt.kind in "iu":
-        x = rng.integers(*INT_RANGE[lay.dtype], size=lay.shape).astype(dt)
+    if dt.kind in "iu":   # the whole range: add, mul and linear overflow
+        info = np.iinfo(dt)
+        x = rng.integers(info.min, info.max, size=lay.shape, endpoint=True, dtype=dt)
     else:
         x = rng.standard_normal(lay.shape).astype(dt)
     mem = bp.Memory.from_numpy(x, lay)
@@ -79,6 +84,8 @@ def _check(kernel, entry, rng):
     got = dst.to_numpy().astype(np.float64)
     tol = TOLERANCE.get(lay.dtype)
     if tol is None:
+        info = np.iinfo(bp.layout.numpy_dtype(lay.dtype))
+        want = np.clip(np.rint(want), info.min, info.max)   # oneDNN's conversion of its result
         np.testing.assert_array_equal(got, want, err_msg=kernel.name)
     else:
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=kernel.name)
@@ -102,6 +109,35 @@ def test_eltwise_and_binary_in_every_dtype(tmp_path_factory, sample):
     bp.build({"kernel": named}, "host", d, log=lambda m: None)
     lib = bp.load(d)
     rng = np.random.default_rng(0)
+    for e in named:
+        _check(lib[e["name"]], e, rng)
+
+
+# the integer cases that code generation got wrong, every time (the sample above draws them
+# only sometimes): a negative clip bound of an unsigned type, sums and products past the type's
+# range, results past it, and halves (rounded to even)
+SATURATING = [
+    {"op": "eltwise", "dtype": "uint8", "algorithm": "clip", "alpha": -2.0, "beta": 300.0},
+    {"op": "eltwise", "dtype": "uint8", "algorithm": "linear", "alpha": -1.5, "beta": 200.0},
+    {"op": "eltwise", "dtype": "int8", "algorithm": "linear", "alpha": 2.5, "beta": 0.5},
+    {"op": "eltwise", "dtype": "int8", "algorithm": "relu", "alpha": -1.5},
+    {"op": "eltwise", "dtype": "int32", "algorithm": "linear", "alpha": 2.5, "beta": -0.5},
+    {"op": "binary", "dtype": "uint8", "algorithm": "add"},
+    {"op": "binary", "dtype": "int8", "algorithm": "mul"},
+    {"op": "binary", "dtype": "int32", "algorithm": "add"},
+    {"op": "binary", "dtype": "int32", "algorithm": "mul"},
+]
+
+
+def test_integer_results_round_and_saturate(tmp_path):
+    named = []
+    for i, e in enumerate(SATURATING):
+        ports = {"src": "nChw8c"} if e["op"] == "eltwise" else {"src0": "nChw8c", "src1": "nchw"}
+        named.append({**e, **ports, "name": f"sat{i}_{e['dtype']}", "shape": [2, 11, 3, 5],
+                      "dst": "nChw8c", "policy": "dst_fused"})
+    bp.build({"kernel": named}, "host", tmp_path, log=lambda m: None)
+    lib = bp.load(tmp_path)
+    rng = np.random.default_rng(1)
     for e in named:
         _check(lib[e["name"]], e, rng)
 

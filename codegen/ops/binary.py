@@ -1,10 +1,13 @@
-"""Binary add and mul with numpy broadcasting (a source dim of 1 broadcasts)."""
+"""Binary add and mul with numpy broadcasting (a source dim of 1 broadcasts). Integer types
+compute in floating point and round and saturate the result, as eltwise does
+(``eltwise.in_arithmetic``: a sum or product past the type's range saturates, never wraps)."""
 
 from __future__ import annotations
 
 from blockpad.errors import SpecError
 
 from .common import OpDef, Source, materialize, plan_for
+from .eltwise import in_arithmetic
 
 ALGORITHMS = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b}
 PARAMS = {"algorithm": "add", "shape1": None}
@@ -30,8 +33,8 @@ def make(layouts, name, policy, algorithm="add", shape1=None):
         a, b = Source("src0", layouts["src0"], mode), Source("src1", layouts["src1"], mode)
 
         def value(*i):
-            return ALGORITHMS[algorithm](a(*_broadcast(i, a.layout.shape)),
-                                         b(*_broadcast(i, b.layout.shape)))
+            return in_arithmetic(ALGORITHMS[algorithm], a(*_broadcast(i, a.layout.shape)),
+                                 b(*_broadcast(i, b.layout.shape)))
 
         return OpDef("binary", [a, b], value, params={"algorithm": algorithm})
 

@@ -2,7 +2,15 @@
 
 Each algorithm is one expression of ``x`` (oneDNN's alpha/beta parameters where it has them);
 NaN and +-inf give what PyTorch gives (``nan_max``: relu and clip keep a NaN).
-Whether it keeps padding zero is not recorded here: ``common.propagates_zero`` derives it."""
+Whether it keeps padding zero is not recorded here: ``common.propagates_zero`` derives it.
+
+Integer kernels (eltwise and binary) compute as oneDNN does: in floating point, the float
+alpha/beta kept as they are, and the result converted to the destination type rounding half to
+even and saturating to its range (``in_arithmetic``). int8 and uint8 compute in float32, like
+oneDNN: their values, and sums and products of two, are exact there. int32 computes in float64,
+unlike oneDNN (float32, which loses integers above 2**24): every int32, every sum of two and
+every product inside the range are exact in float64 (a larger product saturates anyway), so
+an int32 kernel gives the exactly rounded, saturated result."""
 
 from __future__ import annotations
 
@@ -34,14 +42,28 @@ ALGORITHMS = {
 }
 
 PARAMS = ELTWISE_DEFAULTS
+ARITHMETIC = {"int8": "float32", "uint8": "float32", "int32": "float64"}   # see the docstring
+
+
+def in_arithmetic(fn, *xs):
+    """``fn(*xs)`` for operands of one type: integers are widened to their arithmetic type
+    (``ARITHMETIC``) and the result rounded half to even (``nearbyint``: one ``vroundps``) and
+    saturated back, so no constant is truncated to the integer type and nothing wraps."""
+    dtype = dtype_of(xs[0])
+    wide = ARITHMETIC.get(dtype)
+    if wide is None:
+        return fn(*xs)
+    v = fn(*(x.astype(wide) for x in xs))
+    lo, hi = (tirx.const(f(dtype).value, wide) for f in (tirx.min_value, tirx.max_value))
+    return tirx.nearbyint(tirx.min(tirx.max(v, lo), hi)).astype(dtype)
 
 
 def apply(algorithm: str, x, alpha=0.0, beta=0.0):
-    """The expression of ``algorithm`` on ``x`` (used by post-ops too)."""
+    """The expression of ``algorithm`` on ``x``, in ``x``'s type (used by post-ops too)."""
     if algorithm not in ALGORITHMS:
         raise SpecError(f"eltwise algorithm: expected one of {', '.join(ALGORITHMS)}; "
                         f"got {algorithm!r}")
-    return ALGORITHMS[algorithm](x, float(alpha), float(beta))
+    return in_arithmetic(lambda v: ALGORITHMS[algorithm](v, float(alpha), float(beta)), x)
 
 
 def check(layouts, params) -> None:
