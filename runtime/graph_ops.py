@@ -397,12 +397,13 @@ def pool_ref(x, algorithm="max", kernel=(2, 2), stride=None, pad=0, dilation=(1,
     out = [window_out_size(n, k, s, p, d, ceil_mode)
            for n, k, s, p, d in zip(x.shape[2:], kernel, stride, pad, dilation)]
     span = [(o - 1) * s + d * (k - 1) + 1 for o, s, d, k in zip(out, stride, dilation, kernel)]
-    # a frame around the image, NaN where no cell is (beyond the padding), wide enough for
-    # every window: the padding itself is -inf (max) or 0 (sum), and counted when included
+    # a frame around the image wide enough for every window (ceil_mode's last one may hang
+    # beyond the padding): -inf for the max, 0 for the sum; the padding is counted in an
+    # average when included, the frame beyond it never (NaN in the image propagates)
     far = [max(0, sp - p[0] - n - p[1]) for sp, p, n in zip(span, pad, x.shape[2:])]
     fill = -np.inf if algorithm == "max" else 0.0
-    xp = np.pad(x, ((0, 0), (0, 0), *pad), constant_values=fill)
-    xp = np.pad(xp, ((0, 0), (0, 0), (0, far[0]), (0, far[1])), constant_values=np.nan)
+    frame = [(a, b + f) for (a, b), f in zip(pad, far)]
+    xp = np.pad(x, ((0, 0), (0, 0), *frame), constant_values=fill)
     inside = np.pad(np.ones(x.shape[2:]), pad)
     inside = np.pad(inside if exclude_pad else np.ones_like(inside), ((0, far[0]), (0, far[1])))
     taps, cells = [], 0
@@ -416,8 +417,8 @@ def pool_ref(x, algorithm="max", kernel=(2, 2), stride=None, pad=0, dilation=(1,
             cells = cells + inside[sl]
     taps = np.stack(taps)
     if algorithm == "max":
-        return np.nanmax(taps, axis=0)
-    return np.nansum(taps, axis=0) / cells
+        return taps.max(axis=0)
+    return taps.sum(axis=0) / cells
 
 
 class Pool(OpInfo):

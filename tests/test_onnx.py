@@ -248,6 +248,26 @@ def test_classifier_head(cache):
         ["Flatten:flat"]
 
 
+# ---- no kernels at all: the graph's numpy references -----------------------------------------
+
+def test_numpy_fallback_matches_onnxruntime(tmp_path):
+    """With no compiler and an empty cache every op runs its numpy reference (the graph's
+    fallback): the references of pooling, matmul, reshape and concat agree with ONNX Runtime
+    too."""
+    empty = bp.KernelCache(compiler=None, cache_dir=tmp_path)
+    pools = [node("MaxPool", ["x"], "max_ceil", kernel_shape=[3, 3], strides=[2, 2],
+                  ceil_mode=1, pads=[1, 0, 0, 1]),
+             node("AveragePool", ["x"], "avg_incl", kernel_shape=[3, 3], strides=[2, 2],
+                  pads=[1, 0, 1, 2], count_include_pad=1, ceil_mode=1),
+             node("AveragePool", ["x"], "avg_excl", kernel_shape=[3, 2], strides=[2, 1],
+                  pads=[1, 1, 0, 1], ceil_mode=1)]
+    g = check(model(pools, {"x": (5, 7, 8)}, [n.output[0] for n in pools]), {"x": (5, 7, 8)},
+              cache=empty)
+    assert set(g.run(x=np.zeros((2, 5, 7, 8), np.float32)).report.fallbacks.values()) == \
+        {"numpy"}
+    check(_concat_model(np.random.default_rng(4)), {"x": (6, 5, 6)}, cache=empty)
+
+
 # ---- every policy, the same numbers -----------------------------------------------------------
 
 def test_policies_agree(cache):
