@@ -58,7 +58,7 @@ from .common import is_true, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source
 from .nest import substitute
-from .rule import ScheduleRule
+from .rule import ScheduleRule, distinct
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 SPATIAL, REDUCE = 0, 2   # IterVar types
@@ -98,15 +98,7 @@ class RegisterTiled(ScheduleRule):
         ``first``: stop at the first that schedules."""
         configs = self.configs(func, target)
         for tails in (False, True):     # a predicated column tail only where nothing else fits
-            out, seen = [], set()
-            for cfg in configs:
-                sch = _schedule(func, target, cfg, tails)
-                if sch is None or tvm_ffi.structural_hash(sch.mod) in seen:
-                    continue
-                seen.add(tvm_ffi.structural_hash(sch.mod))
-                out.append(sch)
-                if first:
-                    return out
+            out = distinct((_schedule(func, target, cfg, tails) for cfg in configs), first)
             if out:
                 return out
         return []

@@ -8,6 +8,8 @@ refines ``takes``; ``schedule`` then only schedules.
 
 from __future__ import annotations
 
+import tvm_ffi
+
 from .common import op_of
 
 
@@ -31,6 +33,20 @@ class ScheduleRule:
         """Complete schedules of ``func`` for tuning to choose between, ``apply``'s first; []
         when the rule has no variants (tuning then measures ``apply``'s one schedule)."""
         return []
+
+
+def distinct(schedules, first: bool = False) -> list:
+    """The schedules of an iterable that are not None, each once: two variants of a rule can
+    schedule alike (compared by structural hash). ``first``: stop at the first."""
+    out, seen = [], set()
+    for sch in schedules:
+        if sch is None or tvm_ffi.structural_hash(sch.mod) in seen:
+            continue
+        seen.add(tvm_ffi.structural_hash(sch.mod))
+        out.append(sch)
+        if first:
+            break
+    return out
 
 
 def first_match(rules, func, target):

@@ -24,7 +24,6 @@ a func without it is not this rule's.
 
 from __future__ import annotations
 
-import tvm_ffi
 from tvm import s_tir
 
 from . import register_tiled
@@ -32,7 +31,7 @@ from .common import op_of, vector_lanes
 from .dot_tiled import _predicate, _realize, _take_predicate
 from .generic import root_blocks, spatial_parallel_vectorize
 from .nest import substitute
-from .rule import ScheduleRule
+from .rule import ScheduleRule, distinct
 
 ATTR = "blockpad.winograd"
 STAGES = ("wino_dt", "wino_v", "wino_acc", "wino_m", "wino_t", "dst")
@@ -51,16 +50,8 @@ class Winograd(ScheduleRule):
         facts = _facts(func)
         if facts is None:
             return []
-        out, seen = [], set()
-        for cfg in configs(func, target):
-            sch = _schedule(func, target, cfg, facts)
-            if sch is None or tvm_ffi.structural_hash(sch.mod) in seen:
-                continue
-            seen.add(tvm_ffi.structural_hash(sch.mod))
-            out.append(sch)
-            if first:
-                break
-        return out
+        return distinct((_schedule(func, target, cfg, facts) for cfg in configs(func, target)),
+                        first)
 
 
 def _facts(func):
