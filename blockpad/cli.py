@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     p.set_defaults(run=_inspect, kind="tir")
 
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
-    p.add_argument("what", choices=["reorder", "ops", "resnet", "isa", "conv", "matmul", "model"])
+    p.add_argument("what", choices=["reorder", "ops", "resnet", "isa", "conv", "matmul", "model",
+                                             "calls"])
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
@@ -199,6 +200,11 @@ def _bench(args):
 
         model.main(args.model, args.batch, args.hw, repeat=args.repeat, threads=args.threads,
                    target=args.target)
+        return
+    if args.what == "calls":   # the Python call path's cost per call
+        from .bench import calls
+
+        calls.main(repeat=args.repeat, threads=args.threads)
         return
     if args.what == "ops":
         from .bench import ops

@@ -3,8 +3,8 @@ DLPack producer, checked against the signatures the manifest records."""
 
 from __future__ import annotations
 
-import ctypes
 import os
+from operator import is_not
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from blockpad.machine import gpu_requirement
 
 from . import padding
 from .loadable import check_loadable
-from .memory import Memory, aligned_empty, physical_view
+from .memory import Memory, aligned_empty
 from .tvm_runtime import load_module
 
 
@@ -35,6 +35,12 @@ class Signature:
         self.written_pairs = [(i, j) for i in range(len(self.args))
                               for j in range(i + 1, len(self.args))
                               if (self.args[i][1], self.args[j][1]) != ("in", "in")]
+        # per-call facts, derived once: a small kernel runs in about a microsecond, so the
+        # call path must not rederive them
+        self.written = [i for i, a in enumerate(self.args) if a[1] != "in"]
+        self.sources = [i for i, a in enumerate(self.args) if a[1] != "out"]
+        self.padded_sources = [i for i in self.sources if self.args[i][2].has_padding]
+        self.stage = self.padding.get("dst_stage") if self.padding else None
 
     def __repr__(self):
         args = ", ".join(f"{role} {name}: {lay}" for name, role, lay, _ in self.args)
@@ -48,6 +54,7 @@ class Kernel:
         self.signature = signature
         self._func = func
         self._library = library
+        self._gpu = library.device == "cuda"
 
     @property
     def name(self):
@@ -60,10 +67,9 @@ class Kernel:
         if len(args) != len(sig.args):
             raise ArgumentError(f"{sig.name}: expected {len(sig.args)} arguments "
                                 f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
-        if self._library.device == "cuda":
+        if self._gpu:
             return self._run_on_gpu(args, stream)
-        mems = [_as_memory(value, sig.name, *spec, sig.requires_clean)
-                for value, spec in zip(args, sig.args)]
+        mems = self._memories(args)
         inplace = self._inplace_form(mems)
         if inplace is not None:
             return inplace(*args[:-1], stream=stream)
@@ -71,6 +77,20 @@ class Kernel:
             return stream.submit(self._run, mems)
         self._run(mems)
         return None
+
+    def _memories(self, args) -> list:
+        """The arguments as Memory objects of the kernel's layouts (``_as_memory``). A Memory
+        whose layout is the signature's own object (``Library.memory``, or one a call already
+        matched) needs only the writeable check."""
+        sig = self.signature
+        mems = []
+        for value, spec in zip(args, sig.args):
+            if isinstance(value, Memory) and value.layout is spec[2] and \
+                    (spec[1] == "in" or value.buffer.flags.writeable):
+                mems.append(value)
+            else:
+                mems.append(_as_memory(value, sig.name, *spec, sig.requires_clean))
+        return mems
 
     def _run_on_gpu(self, args, stream):
         """A CUDA library's kernel on GPU tensors (any DLPack producer: PyTorch, CuPy, JAX),
@@ -89,7 +109,8 @@ class Kernel:
                                 f"build GPU libraries with policy dst_fused or dst_stage")
         tensors = [_as_gpu_tensor(value, f"{sig.name}: argument {spec[0]!r}", *spec[1:])
                    for value, spec in zip(args, sig.args)]
-        _check_no_alias(sig, _ranges_overlap([(t.data_ptr(), t.numel() * _itemsize(spec[3]))
+        _check_no_alias(sig, _ranges_overlap([(t.data_ptr(),
+                                                t.data_ptr() + t.numel() * _itemsize(spec[3]))
                                                for t, spec in zip(tensors, sig.args)]))
         self.run_raw(tensors)
         stage = contract.get("dst_stage") if contract else None
@@ -99,22 +120,24 @@ class Kernel:
                     self._library[stage].run_raw([t])
         return None
 
-    def _run(self, mems, views=None):
-        """Honour the padding contract around one call. ``views``: a function giving the
-        kernel views of ``mems`` (a BoundCall's cache); default: made afresh."""
+    def _run(self, mems, tensors=None):
+        """Honour the padding contract around one call. ``tensors``: a function giving the
+        compiled function's arguments for ``mems`` (a BoundCall's cache); default: each
+        memory's ``kernel_arg``, asked after the sources' zero-pads (which may replace a
+        read-only buffer by a copy)."""
         sig = self.signature
         for m in mems:
             m.wait()
-        sources = [m for m, a in zip(mems, sig.args) if a[1] in ("in", "inout")]
-        contract = sig.padding
-        padding.before_call(contract, [m for m in sources if m.layout.has_padding])
-        self.run_raw(views() if views is not None else
-                     [_kernel_view(m, spec) for m, spec in zip(mems, sig.args)])
-        stage = contract.get("dst_stage") if contract else None
-        for m, spec in zip(mems, sig.args):
-            if spec[1] != "in":
-                padding.after_call(contract, sources, m,
-                                   self._library[stage] if stage else None)
+        if sig.requires_clean:
+            padding.before_call(sig.padding, [mems[i] for i in sig.padded_sources])
+        if tensors is None:
+            self._func(*[m.kernel_arg(spec[3])[0] for m, spec in zip(mems, sig.args)])
+        else:
+            self._func(*tensors())
+        stage = self._library[sig.stage] if sig.stage else None
+        sources = [mems[i] for i in sig.sources]
+        for i in sig.written:
+            padding.after_call(sig.padding, sources, mems[i], stage)
 
     def bind(self, *args) -> BoundCall:
         """Check the arguments once and return a call that runs the kernel on them again and
@@ -124,11 +147,10 @@ class Kernel:
         if len(args) != len(sig.args):
             raise ArgumentError(f"{sig.name}: expected {len(sig.args)} arguments "
                                 f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
-        if self._library.device == "cuda":
+        if self._gpu:
             raise ArgumentError(f"{sig.name}: bind() holds host memories; call a GPU kernel "
                                 f"directly with GPU tensors")
-        mems = [_as_memory(value, sig.name, *spec, sig.requires_clean)
-                for value, spec in zip(args, sig.args)]
+        mems = self._memories(args)
         inplace = self._inplace_form(mems)
         if inplace is not None:
             return inplace.bind(*args[:-1])
@@ -140,13 +162,14 @@ class Kernel:
         ``inplace = true``, whose in-place kernel is returned to run instead. Otherwise the
         error says how to get one."""
         sig = self.signature
-        views = [m.physical_view() for m in mems]
-        overlap = _views_overlap(views)
+        if not sig.written_pairs:
+            return None
+        spans = [m.kernel_arg(spec[3])[1:] for m, spec in zip(mems, sig.args)]
+        overlap = _ranges_overlap(spans)
         for i, j in sig.written_pairs:
             if not overlap(i, j):
                 continue
-            same = sig.args[i][2] == sig.args[j][2] and \
-                views[i].ctypes.data == views[j].ctypes.data
+            same = sig.args[i][2] == sig.args[j][2] and spans[i][0] == spans[j][0]
             if same and sig.args[j][1] == "out" and j == len(sig.args) - 1:
                 twin = self._library.inplace_form(sig, i)
                 if twin is not None:
@@ -170,26 +193,26 @@ class Kernel:
 
 
 class BoundCall:
-    """A kernel bound to Memory arguments; calling it runs the kernel. The kernel views are
-    made once and remade only if a memory's buffer changed (``set_data_handle``, or a zero-pad
-    that had to copy a read-only buffer)."""
+    """A kernel bound to Memory arguments; calling it runs the kernel. The compiled function's
+    arguments are made once and remade only if a memory's buffer changed
+    (``set_data_handle``, or a zero-pad that had to copy a read-only buffer)."""
 
     def __init__(self, kernel: Kernel, mems):
         self.kernel = kernel
         self.mems = mems
-        self._buffers = None
-        self._views = None
+        self._storages = [spec[3] for spec in kernel.signature.args]
+        self._buffers = [None] * len(mems)
+        self._tensors = None
 
-    def _current_views(self):
+    def _current_tensors(self):
         bufs = [m.buffer for m in self.mems]
-        if self._buffers is None or any(a is not b for a, b in zip(bufs, self._buffers)):
-            self._views = [_kernel_view(m, spec)
-                           for m, spec in zip(self.mems, self.kernel.signature.args)]
+        if any(map(is_not, bufs, self._buffers)):
+            self._tensors = [m.kernel_arg(s)[0] for m, s in zip(self.mems, self._storages)]
             self._buffers = bufs
-        return self._views
+        return self._tensors
 
     def __call__(self):
-        self.kernel._run(self.mems, self._current_views)
+        self.kernel._run(self.mems, self._current_tensors)
 
     def __repr__(self):
         return f"<bound {self.kernel!r}>"
@@ -299,7 +322,7 @@ def _as_memory(value, kernel, name, role, layout: Layout, storage,
         raise ArgumentError(f"{where}: expected a C-contiguous array; got strides "
                             f"{array.strides} for shape {array.shape} (np.ascontiguousarray "
                             f"makes one)")
-    if array.ctypes.data % array.itemsize:
+    if not array.flags.aligned:   # data % itemsize, without ndarray.ctypes's cost
         if role != "in":
             raise ArgumentError(f"{where}: data at 0x{array.ctypes.data:x} is not aligned to its "
                                 f"{array.itemsize}-byte elements")
@@ -320,20 +343,6 @@ def _as_memory(value, kernel, name, role, layout: Layout, storage,
         accepted.insert(0, f"logical shape {layout.shape}")
     raise ArgumentError(f"{where}: layout {layout} takes {' or '.join(accepted)} (or a Memory); "
                         f"got shape {array.shape}")
-
-
-def _kernel_view(mem: Memory, spec) -> np.ndarray:
-    """The strided physical view of ``mem`` the compiled kernel checks for."""
-    if mem.buffer.flags.writeable:
-        return mem.physical_view(spec[3])
-    return physical_view(_readable_alias(mem.buffer), mem.layout, spec[3])
-
-
-def _readable_alias(array: np.ndarray) -> np.ndarray:
-    """A writeable-flagged alias of a read-only flat input buffer, because numpy refuses to
-    export read-only arrays through DLPack. Only ``in`` arguments get one, and kernels never store to those."""
-    raw = (ctypes.c_byte * max(array.nbytes, 1)).from_address(array.ctypes.data)
-    return np.frombuffer(raw, array.dtype, array.size)
 
 
 def _as_numpy(value, where) -> np.ndarray:
@@ -405,11 +414,6 @@ def _check_no_alias(sig: Signature, overlap):
                                 f"separate buffers")
 
 
-def _views_overlap(views):
-    return lambda i, j: np.may_share_memory(views[i], views[j])
-
-
 def _ranges_overlap(ranges):
-    """For device memory, from ``(address, bytes)`` ranges."""
-    return lambda i, j: ranges[i][0] < ranges[j][0] + ranges[j][1] and \
-        ranges[j][0] < ranges[i][0] + ranges[i][1]
+    """From ``(lo, hi)`` byte address ranges."""
+    return lambda i, j: ranges[i][0] < ranges[j][1] and ranges[j][0] < ranges[i][1]

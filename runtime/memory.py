@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import math
+
 import numpy as np
 
 from blockpad.errors import ArgumentError, BlockpadError
@@ -247,14 +251,39 @@ class Memory:
     def physical_view(self, storage=None) -> np.ndarray:
         """The buffer seen as the layout's physical dims and strides, as kernels take it. Kept
         while the buffer stays the same: making it costs more than a small kernel's run."""
-        buf = self.buffer
-        cached = self.__dict__.get("_views")
-        if cached is None or cached[0] is not buf:
-            cached = self._views = (buf, {})
-        view = cached[1].get(storage)
+        cache = self._buffer_cache()
+        view = cache.get(storage)
         if view is None:
-            view = cached[1][storage] = physical_view(buf, self.layout, storage)
+            view = cache[storage] = physical_view(self.buffer, self.layout, storage)
         return view
+
+    def kernel_arg(self, storage=None):
+        """``(tensor, lo, hi)``: the physical view as a compiled kernel takes it (a tvm_ffi
+        Tensor, so a call does not convert it again through DLPack) and the byte addresses
+        ``[lo, hi)`` it spans (for the overlap checks: numpy's own address lookup,
+        ``ndarray.ctypes``, costs more than a small kernel). Kept while the buffer stays the
+        same. A read-only buffer is exported through a writeable-flagged alias, because numpy
+        refuses to export read-only arrays through DLPack: only kernels that do not write the
+        argument get one (the caller checks)."""
+        cache = self._buffer_cache()
+        key = ("kernel", storage)
+        arg = cache.get(key)
+        if arg is None:
+            view = self.physical_view(storage)
+            if not view.flags.writeable:
+                view = physical_view(_readable_alias(self.buffer), self.layout, storage)
+            arg = cache[key] = _tensor_arg(view)
+        return arg
+
+    def _buffer_cache(self) -> dict:
+        """Facts derived from the current buffer (views, kernel arguments), dropped when the
+        buffer changes (``set_data_handle``, a zero-pad that copied a read-only buffer, a
+        parent's new buffer under a sub-memory)."""
+        buf = self.buffer
+        cached = self.__dict__.get("_cache")
+        if cached is None or cached[0] is not buf:
+            cached = self._cache = (buf, {})
+        return cached[1]
 
     def padding_is_zero(self) -> bool:
         pad = self.buffer[self.layout.padding_offsets()]
@@ -267,8 +296,44 @@ class Memory:
 
 def physical_view(buffer: np.ndarray, layout: Layout, storage=None) -> np.ndarray:
     buf = buffer if storage is None else buffer.view(numpy_dtype(storage))
-    return np.lib.stride_tricks.as_strided(
-        buf, layout.physical_shape, [s * buf.itemsize for s in layout.physical_strides])
+    shape, strides = layout.physical_shape, layout.physical_strides
+    if _row_major(shape, strides):   # a reshape: the same view for a tenth of as_strided's cost
+        return buf[:math.prod(shape)].reshape(shape)
+    return np.lib.stride_tricks.as_strided(buf, shape, [s * buf.itemsize for s in strides])
+
+
+@functools.lru_cache(maxsize=256)
+def _row_major(shape: tuple, strides: tuple) -> bool:
+    """Whether element ``strides`` are those of a C-contiguous array of ``shape``."""
+    step = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n > 1 and s != step:
+            return False
+        step *= n
+    return True
+
+
+def _readable_alias(array: np.ndarray) -> np.ndarray:
+    """A writeable-flagged alias of a read-only flat buffer (see ``Memory.kernel_arg``)."""
+    raw = (ctypes.c_byte * max(array.nbytes, 1)).from_address(array.ctypes.data)
+    return np.frombuffer(raw, array.dtype, array.size)
+
+
+def _tensor_arg(view: np.ndarray):
+    """``(tvm_ffi Tensor, lo, hi)`` for a physical view (non-negative strides)."""
+    from .tvm_runtime import as_tensor
+
+    tensor = as_tensor(view)
+    lo = tensor.data_ptr()
+    return tensor, lo, lo + _span(view.shape, view.strides, view.itemsize)
+
+
+@functools.lru_cache(maxsize=256)
+def _span(shape: tuple, strides: tuple, itemsize: int) -> int:
+    """Bytes from the first to past the last element of a view (non-negative strides)."""
+    if 0 in shape:
+        return 0
+    return sum((n - 1) * s for n, s in zip(shape, strides)) + itemsize
 
 
 def _check_buffer(buffer, layout: Layout) -> np.ndarray:
@@ -283,7 +348,7 @@ def _check_buffer(buffer, layout: Layout) -> np.ndarray:
     if buffer.size < layout.alloc_len:
         raise ArgumentError(f"buffer: layout {layout} needs {layout.alloc_len} elements; "
                             f"got {buffer.size}")
-    if buffer.ctypes.data % buffer.itemsize:
+    if not buffer.flags.aligned:   # data % itemsize, without ndarray.ctypes's cost
         raise ArgumentError(f"buffer: data at 0x{buffer.ctypes.data:x} is not aligned to its "
                             f"{buffer.itemsize}-byte elements")
     return buffer
