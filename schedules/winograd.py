@@ -16,7 +16,7 @@ The kernel's stages and what each gets:
   vectorised, the destination's predicate (``dst_stage``'s valid elements) put back on the
   tiled loops.
 
-Rows past the last tile are computed whole (``register_tiled._whole_tiles``: clamped rows), so the
+Rows past the last tile are computed whole (``tile_edges.whole_tiles``: clamped rows), so the
 GEMM's hot loop has no predicate. The rule reads the nest's facts from the func's
 ``blockpad.winograd`` attribute (the tile, the destination's h, w and channel-block dims);
 a func without it is not this rule's.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from tvm import s_tir
 
-from . import register_tiled
+from . import register_tiled, tile_edges
 from .common import op_of, vector_lanes
 from .dot_tiled import _predicate, _realize, _take_predicate
 from .generic import root_blocks, spatial_parallel_vectorize
@@ -71,7 +71,7 @@ def configs(func, target) -> list:
 
 
 def _schedule(func, target, cfg, facts):
-    func, _ = register_tiled._whole_tiles(func, "wino_acc", cfg.mr, cfg.nr)
+    func, _ = tile_edges.whole_tiles(func, "wino_acc", cfg.mr, cfg.nr)
     sch = s_tir.Schedule(func)
     lanes = cfg.lanes
     try:
