@@ -12,7 +12,7 @@ import importlib.util
 import os
 import sys
 
-from blockpad.errors import LoadError
+from blockpad.errors import ArgumentError, LoadError
 
 
 def default_threads() -> int:
@@ -64,10 +64,23 @@ def load_module(path):
 
 
 def as_tensor(array):
-    """A host array (DLPack producer) as the tvm_ffi Tensor a compiled function takes, sharing
-    its memory and keeping it alive. Converted once, a tensor is passed to a call for a fifth
-    of what converting a numpy array on every call costs."""
-    return _runtime().from_dlpack(array)
+    """A host numpy array as the tvm_ffi Tensor a compiled function takes, sharing its memory
+    and keeping it alive. Converted once, a tensor is passed to a call for a fifth of what
+    converting a numpy array on every call costs.
+
+    numpy cannot export ml_dtypes' bfloat16 through DLPack (BufferError: it knows no DLPack
+    code for a user dtype): a bfloat16 array goes out as its uint16 bits and becomes a
+    bfloat16 view of the same memory on the TVM side, which exists for row-major arrays only
+    (the physical view of every layout without explicit strides)."""
+    ffi = _runtime()
+    if array.dtype.name != "bfloat16":
+        return ffi.from_dlpack(array)
+    if not array.flags.c_contiguous:
+        raise ArgumentError(f"a bfloat16 argument must be a row-major array (layouts with "
+                            f"explicit strides are not supported in bfloat16); got strides "
+                            f"{array.strides} for shape {array.shape}")
+    bits = ffi.from_dlpack(array.view("uint16"))
+    return ffi.get_global_func("runtime.TVMTensorCreateView")(bits, array.shape, "bfloat16", 0)
 
 
 @functools.lru_cache(maxsize=1)

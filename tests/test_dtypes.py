@@ -1,5 +1,5 @@
 """eltwise and binary in every element type they accept (fp32, fp64, fp16, s8, u8, s32; bf16
-builds but cannot be called: see test_bf16_eltwise_is_callable): a derandomized hypothesis
+in test_bf16_eltwise): a derandomized hypothesis
 sample of algorithms, layouts, broadcasting and policies per type, built into one library and
 checked against numpy in float64, with the padding contract and guards around the
 destination. Integer kernels get inputs over the type's whole range and alpha/beta that leave it
@@ -9,7 +9,6 @@ half to even and saturates to the type's range, as oneDNN converts its f32 resul
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -142,12 +141,29 @@ def test_integer_results_round_and_saturate(tmp_path):
         _check(lib[e["name"]], e, rng)
 
 
-@pytest.mark.xfail(strict=True, raises=BufferError,
-                   reason="known bug: a bf16 eltwise/binary kernel takes bfloat16 buffers, "
-                          "which numpy cannot hand to DLPack (reorders and convs take uint16 "
-                          "bits); the call fails with BufferError instead of running")
-def test_bf16_eltwise_is_callable(tmp_path):
-    entry = {"op": "eltwise", "name": "relu_bf16", "dtype": "bfloat16", "shape": [1, 3, 2, 2],
-             "src": "nChw8c", "dst": "nChw8c", "algorithm": "relu", "policy": "dst_fused"}
-    bp.build({"kernel": [entry]}, "host", tmp_path, log=lambda m: None)
-    _check(bp.load(tmp_path)["relu_bf16"], entry, np.random.default_rng(0))
+def test_bf16_eltwise(tmp_path):
+    """bf16 kernels take bfloat16 buffers, which numpy cannot export through DLPack (the
+    runtime passes their uint16 bits as a bfloat16 view). Checked against numpy in float64 on
+    the bf16 inputs, rounded to bf16 by ml_dtypes: relu exactly, sigmoid to one bf16 ulp
+    (the kernel rounds its float32 result once more); plus the guards and padding contract."""
+    import ml_dtypes
+
+    entries = [{"op": "eltwise", "name": f"{alg}_bf16", "dtype": "bfloat16",
+                "shape": [1, 3, 2, 2], "src": "nChw8c", "dst": dst, "algorithm": alg,
+                "policy": "dst_fused"} for alg, dst in (("relu", "nChw8c"), ("sigmoid", "nchw"))]
+    bp.build({"kernel": entries}, "host", tmp_path, log=lambda m: None)
+    lib = bp.load(tmp_path)
+    x = np.random.default_rng(0).standard_normal((1, 3, 2, 2)).astype(ml_dtypes.bfloat16)
+    x64 = x.astype(np.float64)
+    for entry, want in zip(entries, (np.maximum(x64, 0), 1 / (1 + np.exp(-x64)))):
+        kernel = lib[entry["name"]]
+        (_, _, src_l, _), (_, _, dst_l, _) = kernel.signature.args
+        dst = lib.memory(dst_l)
+        kernel(bp.Memory.from_numpy(x, src_l), dst)
+        got = dst.to_numpy()
+        assert got.dtype == np.dtype(ml_dtypes.bfloat16)
+        rounded = want.astype(ml_dtypes.bfloat16).astype(np.float64)
+        np.testing.assert_allclose(got.astype(np.float64), rounded,
+                                   rtol=0 if entry["algorithm"] == "relu" else 2.0 ** -7,
+                                   err_msg=kernel.name)
+        _check(kernel, entry, np.random.default_rng(1))
