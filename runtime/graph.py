@@ -576,17 +576,26 @@ class Graph:
 
     # ---- planning -----------------------------------------------------------------------------
     def conv_blocks(self, c_in, c_out, groups):
-        """Channel blocks to try for a convolution, preferred first."""
+        """Channel blocks to try for a convolution, preferred first. Grouped and depthwise
+        convolutions block too (``weight_tag``): the kernel indexes the source by logical
+        channel, so channels per group need not be a block multiple (30 channels in 2 groups
+        on ``nChw16c`` is fine), and keeping them blocked saves the reorders around them
+        (MobileNet's and EfficientNet's depthwise layers between blocked 1x1 convolutions)."""
         if self.layouts == "plain":
             return []
-        if groups != 1:
-            return []          # grouped/depthwise: plain layouts (see graph_ops.Conv2d)
         if self.block:
             return [self.block]
         return [16, 8] if max(c_in, c_out) > 8 else [8, 16]
 
-    def weight_tag(self, block, groups):
-        return f"OIhw{block}i{block}o"
+    @staticmethod
+    def weight_tag(block, groups, depthwise):
+        """The weights' tag beside an ``nChw<block>c`` source: ``OIhw<b>i<b>o`` for
+        ``groups = 1``; depthwise (groups = C = K) ``Goihw<b>g``, the groups blocked as the
+        source's channels are; other grouped ``gOIhw<b>i<b>o`` (each group's K/G x C/G
+        padded to whole blocks)."""
+        if groups == 1:
+            return f"OIhw{block}i{block}o"
+        return f"Goihw{block}g" if depthwise else f"gOIhw{block}i{block}o"
 
     def plan(self, **inputs) -> Plan:
         """The plan for inputs like these (arrays, Memories or Layouts): the passes' result."""

@@ -274,8 +274,8 @@ def conv_ref(x, w, bias=None, stride=(1, 1), pad=(0, 0), dilation=(1, 1), groups
 class Conv2d(OpInfo):
     """Inputs: src (NCHW), weights ((K, C/groups, KH, KW), PyTorch's convention), then bias
     ((K,)) and the sum post-op's tensor if the node has them. Blocked: ``nChw<b>c`` source and
-    destination with ``OIhw<b>i<b>o`` weights (depthwise: ``Goihw<b>g``); plain: ``nchw`` with
-    ``oihw`` (``goihw`` when grouped)."""
+    destination with ``Graph.weight_tag``'s weights (``OIhw<b>i<b>o``; grouped ``gOIhw<b>i<b>o``,
+    depthwise ``Goihw<b>g``); plain: ``nchw`` with ``oihw`` (``goihw`` when grouped)."""
 
     name = "conv2d"
 
@@ -359,12 +359,8 @@ class Conv2d(OpInfo):
         for block in graph.conv_blocks(src[1], out_shape[1], groups):
             if tile is not None:   # Winograd-domain weights, transformed once (graph.py)
                 wl = winograd.weights_layout(w[0], w[1], tile, block, dt)
-            elif groups == 1:
-                wl = self._weights(w, dt, 1, f"OIhw{block}i{block}o")
-            elif depthwise:
-                wl = self._weights(w, dt, groups, f"Goihw{block}g")
             else:
-                continue
+                wl = self._weights(w, dt, groups, graph.weight_tag(block, groups, depthwise))
             s, d = blocked(src, dt, block), blocked(out_shape, dt, block)
             lays = [s, wl] + [plain(t[0], t[1]) if len(t[0]) == 1 else d for t in extra] + [d]
             out.append(Candidate(lays[:-1], [d], lambda inplace, lays=lays: self._request(
