@@ -197,11 +197,15 @@ def _matmul_peers(arrays):
 
 
 def _reference(op, params, arrays):
-    if op == "conv2d":
-        from blockpad.runtime.graph_ops import conv_ref
+    if op == "conv2d":   # blockpad check's float64 convolution, not the graph's fallback
+        from blockpad.check.reference import conv
+        from blockpad.layout import pad_sides
 
-        return conv_ref(arrays["src"], arrays["weights"], stride=tuple(params["stride"]),
-                        pad=tuple(params["pad"]))
+        x = np.pad(arrays["src"].astype(np.float64), ((0, 0), (0, 0), *pad_sides(params["pad"])))
+        return conv(x, arrays["weights"].astype(np.float64),
+                    {"stride": params["stride"], "pad": (0, 0),
+                     "dilation": params.get("dilation", (1, 1)),
+                     "groups": params.get("groups", 1)})
     return arrays["src"].astype(np.float64) @ arrays["weights"].astype(np.float64)
 
 
