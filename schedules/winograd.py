@@ -28,7 +28,8 @@ from tvm import s_tir
 
 from . import register_tiled, tile_edges
 from .common import op_of, vector_lanes
-from .dot_tiled import _predicate, _realize, _take_predicate
+from .dot_rewrites import set_predicate, take_predicate
+from .dot_tiled import _realize
 from .generic import root_blocks, spatial_parallel_vectorize
 from .nest import substitute
 from .rule import ScheduleRule, distinct
@@ -104,7 +105,7 @@ def _input_transform(sch, lanes):
 
 def _output_transform(sch, lanes, facts):
     dst, t = sch.get_sblock("dst"), sch.get_sblock("wino_t")
-    valid = _take_predicate(sch, dst)
+    valid = take_predicate(sch, dst)
     loops = sch.get_loops(dst)
     m = facts["tile"]
     h, w, c = loops[facts["h"]], loops[facts["w"]], loops[facts["c"]]
@@ -126,7 +127,7 @@ def _output_transform(sch, lanes, facts):
     sch.parallel(sch.fuse(*par) if len(par) > 1 else par[0])
     if valid is not None:
         realize = _realize(sch, dst)
-        _predicate(sch, dst, substitute(valid, {iv.var: x for iv, x in zip(
+        set_predicate(sch, dst, substitute(valid, {iv.var: x for iv, x in zip(
             realize.block.iter_vars, realize.iter_values)}))
 
 

@@ -1,7 +1,7 @@
 """x86 convolution and matmul on the dot-product units: ``vpdpbusd`` (AVX-512 VNNI) and AMX tiles.
 
 The rules read the ``acc`` / ``dst`` nest that ``codegen.ops.common.materialize`` gives both
-ops, through ``dot_tiled.DotShape`` (schedules/dot_tiled.py, shared with Arm's ``sdot``): ``j``
+ops, through ``dot_rewrites.DotShape`` (schedules/dot_rewrites.py, shared with Arm's ``sdot``): ``j``
 the destination's innermost dim, also the weights' second-innermost (weights packed
 ``...16o4i``: ``OIhw4i16o4i``, ``BA16b4a``, so that 16 outputs x 4 reduction steps are 64
 contiguous bytes, one zmm); ``r`` the reduction loop walking both the source's and the
