@@ -10,7 +10,9 @@ even and saturating to its range (``in_arithmetic``). int8 and uint8 compute in 
 oneDNN: their values, and sums and products of two, are exact there. int32 computes in float64,
 unlike oneDNN (float32, which loses integers above 2**24): every int32, every sum of two and
 every product inside the range are exact in float64 (a larger product saturates anyway), so
-an int32 kernel gives the exactly rounded, saturated result."""
+an int32 kernel gives the exactly rounded, saturated result. float16 computes in float32 and
+rounds once to float16, as oneDNN does: TVM has no fp16 erf/tanh/exp lowering (``gelu_erf``
+failed to build), and one rounding is what the reference computes."""
 
 from __future__ import annotations
 
@@ -42,18 +44,22 @@ ALGORITHMS = {
 }
 
 PARAMS = ELTWISE_DEFAULTS
-ARITHMETIC = {"int8": "float32", "uint8": "float32", "int32": "float64"}   # see the docstring
+ARITHMETIC = {"int8": "float32", "uint8": "float32", "int32": "float64",
+              "float16": "float32"}   # see the docstring
 
 
 def in_arithmetic(fn, *xs):
-    """``fn(*xs)`` for operands of one type: integers are widened to their arithmetic type
-    (``ARITHMETIC``) and the result rounded half to even (``nearbyint``: one ``vroundps``) and
-    saturated back, so no constant is truncated to the integer type and nothing wraps."""
+    """``fn(*xs)`` for operands of one type: integers and float16 are widened to their
+    arithmetic type (``ARITHMETIC``); an integer result is rounded half to even (``nearbyint``:
+    one ``vroundps``) and saturated back, so no constant is truncated to the integer type and
+    nothing wraps; a float16 result is rounded once to float16."""
     dtype = dtype_of(xs[0])
     wide = ARITHMETIC.get(dtype)
     if wide is None:
         return fn(*xs)
     v = fn(*(x.astype(wide) for x in xs))
+    if dtype.startswith("float"):
+        return v.astype(dtype)
     lo, hi = (tirx.const(f(dtype).value, wide) for f in (tirx.min_value, tirx.max_value))
     return tirx.nearbyint(tirx.min(tirx.max(v, lo), hi)).astype(dtype)
 
