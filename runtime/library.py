@@ -207,9 +207,17 @@ class BoundCall:
     def _current_tensors(self):
         bufs = [m.buffer for m in self.mems]
         if any(map(is_not, bufs, self._buffers)):
+            if self._tensors is not None:   # bind() checked the first buffers
+                self._check_overlap()
             self._tensors = [m.kernel_arg(s)[0] for m, s in zip(self.mems, self._storages)]
             self._buffers = bufs
         return self._tensors
+
+    def _check_overlap(self):
+        """A memory pointed at another buffer may now overlap another argument: refused as a
+        direct call would refuse it (a call bound to separate buffers cannot turn in place)."""
+        spans = [m.kernel_arg(s)[1:] for m, s in zip(self.mems, self._storages)]
+        _check_no_alias(self.kernel.signature, _ranges_overlap(spans))
 
     def __call__(self):
         self.kernel._run(self.mems, self._current_tensors)

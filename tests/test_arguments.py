@@ -91,6 +91,24 @@ def test_overlapping_arguments(reorder_lib):
         reorder_lib[FWD](buf[: lay.alloc_len].reshape(lay.shape), buf)
 
 
+def test_bound_call_rechecks_overlap_after_set_data_handle(reorder_lib, x):
+    """A bound call whose memories are pointed at overlapping buffers is refused, as a direct
+    call on them would be, and the destination is not written."""
+    src = bp.Memory.from_numpy(x, bp.Layout("nchw", (2, 30, 5, 7)))
+    dst = bp.Memory.empty(LAY)
+    call = reorder_lib[FWD].bind(src, dst)
+    call()
+    np.testing.assert_array_equal(dst.to_numpy(), x)
+    shared = bp.runtime.memory.aligned_empty(LAY.alloc_len, "float32")
+    src.set_data_handle(shared[: x.size], clean=True)
+    dst.set_data_handle(shared, clean=True)
+    with pytest.raises(bp.ArgumentError, match="overlap in memory"):
+        call()
+    dst.set_data_handle(np.zeros(LAY.alloc_len, "float32"))
+    call()
+    np.testing.assert_array_equal(dst.to_numpy(), shared[: x.size].reshape(x.shape))
+
+
 def test_unknown_kernel(reorder_lib):
     with pytest.raises(KeyError, match="this library has kernels"):
         reorder_lib["nope"]
