@@ -150,8 +150,8 @@ def _up_to_date(out_dir, key) -> bool:
 
 
 def _pack(g: Graph, plan) -> dict:
-    """Each constant in every layout the plan reads it in: packed for the weights its
-    kernels take blocked, plain where a step reads the constant as it is."""
+    """Each constant's shape and the constant in every layout the plan reads it in: packed for
+    the weights its kernels take blocked, plain where a step reads the constant as it is."""
     from blockpad.runtime.graph_ops import plain
 
     out = {}
@@ -166,7 +166,7 @@ def _pack(g: Graph, plan) -> dict:
             a = np.ascontiguousarray(a)
             lay = plain(a.shape, str(a.dtype))
             out.setdefault(cname, {})[lay] = Memory(lay, a.reshape(-1).copy())
-    return {k: list(v.values()) for k, v in out.items()}
+    return {k: (np.shape(g.constants[k]), list(v.values())) for k, v in out.items()}
 
 
 def build_model(source, target="host", out_dir="build/model", force=False, log=None,
@@ -212,7 +212,7 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
     constants = _pack(g, plan)
     rm.write_model(out_dir, doc, constants, lines,
                    {"build_key": key, "target": target.name, "kernels": len(requests)})
-    size = sum(m.layout.nbytes for ms in constants.values() for m in ms)
+    size = sum(m.layout.nbytes for _, ms in constants.values() for m in ms)
     log(f"wrote {out_dir}: {len(requests)} kernels, {len(lines)} steps, weights "
         f"{size / 2 ** 20:.1f} MiB packed, in {time.perf_counter() - start:.1f} s")
     return out_dir

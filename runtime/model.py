@@ -88,16 +88,17 @@ def plan_lines(g: Graph) -> list:
 # ---- writing (the build side calls this) ------------------------------------------------------
 
 def write_model(out_dir, doc: dict, constants: dict, plan: list, extra: dict) -> None:
-    """Write ``weights.bin`` and ``model.json``. ``constants``: name -> list of Memories (the
-    layouts the plan reads it in, plain or packed). ``model.json`` is written last, whole: a
-    folder without it is not a model, one with it is complete."""
+    """Write ``weights.bin`` and ``model.json``. ``constants``: name -> (the graph's shape of
+    it, the Memories of the layouts the plan reads it in, plain or packed); the shape is the
+    graph's, not a packed layout's (grouped weights pack as 5-D ``gOIhw16i16o``/``Goihw16g``).
+    ``model.json`` is written last, whole: a folder without it is not a model, one with it is
+    complete."""
     table, offset = [], 0
     tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
     h = hashlib.sha256()
     with open(tmp, "wb") as f:
-        for name, mems in constants.items():
-            first = mems[0].layout
-            entry = {"name": name, "shape": list(first.shape), "dtype": first.dtype,
+        for name, (shape, mems) in constants.items():
+            entry = {"name": name, "shape": [int(n) for n in shape], "dtype": mems[0].layout.dtype,
                      "layouts": []}
             for mem in mems:
                 raw = np.ascontiguousarray(mem.buffer[:mem.layout.alloc_len]).view(np.uint8)
