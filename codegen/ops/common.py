@@ -240,9 +240,13 @@ def nan_min(a, b):
 
 def is_nan(x):
     """``x`` is a NaN, as an integer test of its bits (exponent all ones, mantissa not zero):
-    TVM's simplifier folds ``x != x`` to false, and ``tirx.isnan`` scalarises a vector loop."""
-    bits = tvm_ffi.dtype(dtype_of(x)).bits
-    mantissa = {16: 10, 32: 23, 64: 52}[bits]
+    TVM's simplifier folds ``x != x`` to false, and ``tirx.isnan`` scalarises a vector loop.
+    An integer is never a NaN (an integer ``nan_max`` is a plain max)."""
+    dtype = dtype_of(x)
+    mantissa = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}.get(dtype)
+    if mantissa is None:
+        return tirx.const(False, "bool")
+    bits = tvm_ffi.dtype(dtype).bits
     magnitude = tirx.reinterpret(f"int{bits}", x) & tirx.const((1 << bits - 1) - 1, f"int{bits}")
     return magnitude > tirx.const(((1 << bits - 1 - mantissa) - 1) << mantissa, f"int{bits}")
 
