@@ -128,28 +128,21 @@ SATURATING = [
 ]
 
 
-def test_integer_results_round_and_saturate(tmp_path):
+# float16 exp/erf/tanh/sigmoid compute in float32 (TVM has no float16 erf: gelu_erf failed to
+# build, found by blockpad check)
+FLOAT16 = [{"op": "eltwise", "dtype": "float16", "algorithm": alg}
+           for alg in ("gelu_erf", "gelu_tanh", "exp", "tanh", "sigmoid")]
+
+
+def test_cases_that_failed_are_built_every_time(tmp_path):
     named = []
-    for i, e in enumerate(SATURATING):
+    for i, e in enumerate(SATURATING + FLOAT16):
         ports = {"src": "nChw8c"} if e["op"] == "eltwise" else {"src0": "nChw8c", "src1": "nchw"}
-        named.append({**e, **ports, "name": f"sat{i}_{e['dtype']}", "shape": [2, 11, 3, 5],
+        named.append({**e, **ports, "name": f"k{i}_{e['dtype']}", "shape": [2, 11, 3, 5],
                       "dst": "nChw8c", "policy": "dst_fused"})
     bp.build({"kernel": named}, "host", tmp_path, log=lambda m: None)
     lib = bp.load(tmp_path)
     rng = np.random.default_rng(1)
-    for e in named:
-        _check(lib[e["name"]], e, rng)
-
-
-def test_float16_transcendentals(tmp_path):
-    """float16 exp/erf/tanh/sigmoid compute in float32 (TVM has no float16 erf: gelu_erf failed
-    to build, found by blockpad check); every one, every time, against numpy in float64."""
-    named = [{"op": "eltwise", "name": f"{alg}_f16", "dtype": "float16", "algorithm": alg,
-              "shape": [2, 11, 3, 5], "src": "nChw8c", "dst": "nChw8c", "policy": "dst_fused"}
-             for alg in ("gelu_erf", "gelu_tanh", "exp", "tanh", "sigmoid")]
-    bp.build({"kernel": named}, "host", tmp_path, log=lambda m: None)
-    lib = bp.load(tmp_path)
-    rng = np.random.default_rng(2)
     for e in named:
         _check(lib[e["name"]], e, rng)
 
