@@ -180,7 +180,7 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     start = time.perf_counter()
-    g = source if isinstance(source, Graph) else _from_onnx(source)
+    g = source if isinstance(source, Graph) else Graph.from_onnx(source)
     target = get_target(native_target() if target == "native" else target)
     out_dir = os.fspath(out_dir)
     doc = rm.graph_doc(g)
@@ -218,8 +218,3 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
     return out_dir
 
 
-def _from_onnx(source) -> Graph:
-    from_onnx = getattr(Graph, "from_onnx", None)
-    if from_onnx is None:
-        raise BuildError("this blockpad has no ONNX importer (Graph.from_onnx)")
-    return from_onnx(source)
