@@ -48,26 +48,28 @@ SPATIAL, REDUCE = 0, 2   # IterVar types
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
 
-class Softmax(ScheduleRule):
+class _RowTiled(ScheduleRule):
+    """A reduction whose rows are tiled by ``tile(sch, lanes)`` (False: not its shape), with the
+    padding of a preserved destination stored back."""
+
+    tile = None   # staticmethod(sch, lanes) -> bool; a lambda where the function is defined below
+
+    def schedule(self, func, target):
+        sch = s_tir.Schedule(_store_padding_back(func))
+        try:
+            return sch if self.tile(sch, vector_lanes(target, "float32")) else None
+        except s_tir.ScheduleError:
+            return None
+
+
+class Softmax(_RowTiled):
     ops = ("softmax",)
-
-    def schedule(self, func, target):
-        sch = s_tir.Schedule(_store_padding_back(func))
-        try:
-            return sch if _softmax(sch, vector_lanes(target, "float32")) else None
-        except s_tir.ScheduleError:
-            return None
+    tile = staticmethod(lambda sch, lanes: _softmax(sch, lanes))
 
 
-class Pool(ScheduleRule):
+class Pool(_RowTiled):
     ops = ("pool",)
-
-    def schedule(self, func, target):
-        sch = s_tir.Schedule(_store_padding_back(func))
-        try:
-            return sch if _pool(sch, vector_lanes(target, "float32")) else None
-        except s_tir.ScheduleError:
-            return None
+    tile = staticmethod(lambda sch, lanes: _pool(sch, lanes))
 
 
 def _softmax(sch, lanes) -> bool:
