@@ -60,11 +60,16 @@ def placeholder(layout: Layout, name: str, storage: str) -> te.Tensor:
 def strided_buffer(layout: Layout, name: str, storage: str) -> tirx.Buffer:
     """The buffer a kernel parameter is declared with: the layout's physical shape and strides,
     aligned only to the element, so any view of a user's allocation is accepted (numpy gives 16
-    bytes, TVM's compact default would assume 64 and crash, docs/tvm-0.27-notes.md 3)."""
+    bytes, TVM's compact default would assume 64 and crash, docs/tvm-0.27-notes.md 3).
+
+    A stride of an extent-1 dim addresses nothing, and DLPack producers set it as they please
+    (numpy's reshape makes it the row-major one whatever the layout declared, PyTorch its own):
+    it is declared as a variable, so the call's argument check accepts any value there."""
     itemsize = tvm_ffi.dtype(storage).itemsize
-    return tirx.decl_buffer(layout.physical_shape, storage, name,
-                            strides=list(layout.physical_strides), offset_factor=1,
-                            data_alignment=itemsize)
+    strides = [tirx.Var(f"{name}_stride{i}", "int32") if n == 1 else s
+               for i, (n, s) in enumerate(zip(layout.physical_shape, layout.physical_strides))]
+    return tirx.decl_buffer(layout.physical_shape, storage, name, strides=strides,
+                            offset_factor=1, data_alignment=itemsize)
 
 
 def make_inplace(kernel: KernelDef, source: str) -> KernelDef:

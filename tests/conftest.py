@@ -35,6 +35,9 @@ REORDER_SPEC = {
             {"tag": "nchw", "paddings": {"h": [1, 1], "w": [1, 1]}}, "dst": "nChw8c"},
         {"name": "to_strided", "op": "reorder", "shape": [2, 30, 5, 7], "src": "nchw",
          "dst": {"tag": "nChw16c", "strides": [3000, 1400, 200, 20, 1]}},
+        # the stride of an extent-1 dim addresses nothing: numpy's view passes its own value
+        {"name": "to_strided_n1", "op": "reorder", "shape": [1, 30, 5, 7], "src": "nchw",
+         "dst": {"tag": "nChw16c", "strides": [3003, 560, 112, 16, 1]}},
         {"op": "zero_pad", "shape": [2, 30, 5, 7], "dtypes": ["float32", "bfloat16"], "layout": "nChw16c"},
         {"name": "zero_pad_halo", "op": "zero_pad", "shape": [2, 30, 5, 7],
          "layout": {"tag": "nChw16c", "paddings": {"h": [1, 2], "w": [3, 1]}}},
