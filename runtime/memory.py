@@ -286,12 +286,21 @@ class Memory:
         return cached[1]
 
     def padding_is_zero(self) -> bool:
-        pad = self.buffer[self.layout.padding_offsets()]
-        return bool(np.all(pad.view(np.uint8) == 0)) if pad.size else True
+        """Whether every padding element is zero (docs/padding-contract.md, "Zero")."""
+        return nonzero_padding(self) == 0
 
     def __repr__(self):
         return (f"Memory({self.layout}, {self.buffer.nbytes} bytes at 0x{self.buffer.ctypes.data:x}, "
                 f"padding {self.state})")
+
+
+def nonzero_padding(mem: Memory) -> int:
+    """How many of ``mem``'s padding elements are not zero. Zero is a value: +0.0 and -0.0
+    both count for floating types, as oneDNN's zero preservation has it. A kernel whose op maps
+    0 to 0 (``linear`` with a negative scale, a leaky relu) computes -0.0 over zero padding,
+    and any reader of that padding (a reduction over a whole block) gets the same numbers."""
+    pad = mem.buffer[mem.layout.padding_offsets()]
+    return int(np.count_nonzero(pad != 0))
 
 
 def physical_view(buffer: np.ndarray, layout: Layout, storage=None) -> np.ndarray:

@@ -11,6 +11,7 @@ import pytest
 import blockpad as bp
 from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
+from blockpad.layout import numpy_dtype
 from blockpad.runtime import counters
 from blockpad.runtime.stream import Stream
 
@@ -172,3 +173,18 @@ def test_same_memory_without_an_inplace_kernel_names_the_spec_option(lib, rng):
     part = bp.Memory(ACT, big[8:])                        # overlapping, not the same memory
     with pytest.raises(bp.ArgumentError, match="overlap in memory"):
         lib["sigmoid"](bp.Memory(ACT, big, "clean"), part)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_negative_zero_padding_is_zero_and_anything_else_is_not(dtype):
+    """Zero is a value (docs/padding-contract.md, "Zero"): a zero-preserving op such as linear
+    with a negative scale leaves -0.0 in padding, which every reader treats as 0."""
+    lay = bp.Layout("nChw8c", shape=(1, 3, 2, 2), dtype=dtype)
+    mem = bp.Memory(lay, np.zeros(lay.alloc_len, numpy_dtype(dtype)))
+    pad = lay.padding_offsets()
+    mem.buffer[pad] = -0.0
+    assert mem.padding_is_zero()
+    mem.buffer[pad[-1]] = np.finfo(np.float16).smallest_subnormal
+    assert not mem.padding_is_zero()
+    mem.buffer[pad[-1]] = np.nan
+    assert not mem.padding_is_zero()

@@ -34,7 +34,7 @@ import traceback
 import numpy as np
 
 from blockpad.layout import numpy_dtype
-from blockpad.runtime.memory import aligned_empty
+from blockpad.runtime.memory import aligned_empty, nonzero_padding
 
 from .reference import reference
 
@@ -269,9 +269,9 @@ def _check_destination(a: Arg, mem, sig, entry, inputs) -> list:
         want, bound = reference(entry, inputs)
     out += _compare(a.name, got, want, bound)
     contract = sig.padding or {}
-    pad = mem.buffer[lay.padding_offsets()].view(np.uint8) if lay.has_padding else None
-    if pad is not None:
-        nonzero = int(np.count_nonzero(pad.reshape(len(lay.padding_offsets()), -1).any(1)))
+    if lay.has_padding:
+        pad = mem.buffer[lay.padding_offsets()].view(np.uint8)
+        nonzero = nonzero_padding(mem)
         if mem.state == "clean" and nonzero:
             out.append(f"{a.name}: state 'clean' but {nonzero} of {len(lay.padding_offsets())} "
                        f"padding elements are not zero")
