@@ -102,11 +102,24 @@ def child(args) -> dict:
         report = net.run(x).report
         steps = step_times(net.graph, {next(iter(net.inputs)): x})
         out.update(steps={k: 1e3 * v for k, v in steps.items()},
-                   ops={n.name: n.op for n in net.graph.nodes},
+                   ops={n.name: _kind(net.graph, n) for n in net.graph.nodes},
                    arena_mib=report.arena_bytes / 2 ** 20,
                    weights_mib=report.weight_bytes / 2 ** 20,
                    fallbacks=report.fallbacks)
     return out
+
+
+def _kind(g, node) -> str:
+    """What the breakdown files a node under: its op, and for a convolution its kind
+    (depthwise, 1x1, the kernel size), which differ by an order of magnitude in flops per byte
+    and run on different schedules."""
+    if node.op != "conv2d":
+        return node.op
+    shape = g.constants[node.inputs[1]].shape   # (K, C/G, kh, kw) or (G, K/G, C/G, kh, kw)
+    if node.attrs.get("groups", 1) > 1:
+        return "conv2d depthwise" if shape[-3] == 1 else "conv2d grouped"
+    kh, kw = shape[-2:]
+    return f"conv2d {kh}x{kw}"
 
 
 def _spawn(name, threads, paths, args) -> dict:
@@ -201,9 +214,11 @@ def _report(model, batch, hw, target, counts, results):
         if "peak_mib" in tc:
             print(f"torch NCHW at {t} thread(s): RSS growth over the first inference "
                   f"{tc['peak_mib'] - tc['rss_loaded_mib']:.0f} MiB")
+    runs = {t: results[("blockpad", t)] for t in counts
+            if "steps" in results.get(("blockpad", t), {})}
+    if runs:
+        _breakdown(runs)
     b = results.get(("blockpad", counts[0]), {})
-    if "steps" in b:
-        _breakdown(b)
     _plot(model, batch, hw, target, counts, results, b.get("steps"), b.get("ops", {}))
 
 
@@ -213,21 +228,38 @@ def _op_of(label, ops):
     return label.split()[0] if label.startswith(("reorder", "(bind)")) else "other"
 
 
-def _breakdown(b):
-    steps, ops = b["steps"], b["ops"]
-    total = sum(steps.values())
+def _by_op(steps, ops) -> dict:
+    """op -> (ms, steps) summed over the plan's steps."""
     by_op = {}
     for label, ms in steps.items():
-        op = _op_of(label, ops)
-        by_op[op] = by_op.get(op, 0.0) + ms
-    print(f"\nblockpad per layer (1 run, {total:.2f} ms in steps), by op:")
-    print(table([[k, f"{v:.2f}", f"{100 * v / total:.0f}%"]
-                 for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])],
-                ["op", "ms", "share"]))
+        t, n = by_op.get(_op_of(label, ops), (0.0, 0))
+        by_op[_op_of(label, ops)] = (t + ms, n + 1)
+    return by_op
+
+
+def _breakdown(runs: dict):
+    """Per-op time of blockpad's plan at each thread count (``runs``: threads -> the child's
+    figures), with the scaling of each op, then the slowest steps at the first count."""
+    counts = sorted(runs)
+    b = runs[counts[0]]
+    steps, ops = b["steps"], b["ops"]
+    total = sum(steps.values())
+    print(f"\nblockpad per layer at {counts[0]} thread(s): {len(steps)} steps, {total:.2f} ms "
+          f"in steps against {b['ms']:.2f} ms per inference (the rest: the calls between "
+          f"them), by op:")
+    by = {t: _by_op(runs[t]["steps"], runs[t]["ops"]) for t in counts}
+    head = ["op", "steps", *[f"ms at {t}" for t in counts], "share"]
+    head += [f"{t} vs {counts[0]} thread(s)" for t in counts[1:]]
+    rows = []
+    for k, (v, n) in sorted(by[counts[0]].items(), key=lambda kv: -kv[1][0]):
+        other = [by[t].get(k, (float("nan"), 0))[0] for t in counts[1:]]
+        rows.append([k, n, f"{v:.2f}", *[f"{o:.2f}" for o in other], f"{100 * v / total:.0f}%",
+                     *[f"{v / o:.2f}x" for o in other]])
+    print(table(rows, head))
     print("\nthe 15 slowest steps:")
     top = sorted(steps.items(), key=lambda kv: -kv[1])[:15]
-    print(table([[k[:60], f"{v:.3f}", f"{100 * v / total:.1f}%"] for k, v in top],
-                ["step", "ms", "share"]))
+    print(table([[k[:60], ops.get(k, ""), f"{v:.3f}", f"{100 * v / total:.1f}%"]
+                 for k, v in top], ["step", "op", "ms", "share"]))
     if b.get("fallbacks"):
         print(f"fallbacks: {b['fallbacks']}")
 
@@ -253,12 +285,8 @@ def _plot(model, batch, hw, target, counts, results, steps, ops):
     ax.set_title(f"{model}, batch {batch}, {hw}x{hw} (blockpad: {target})")
     ax.legend()
     if steps:
-        by_op = {}
-        for label, ms in steps.items():
-            op = _op_of(label, ops)
-            by_op[op] = by_op.get(op, 0.0) + ms
-        items = sorted(by_op.items(), key=lambda kv: -kv[1])
-        axes[1].barh([k for k, _ in items], [v for _, v in items])
+        items = sorted(_by_op(steps, ops).items(), key=lambda kv: -kv[1][0])
+        axes[1].barh([k for k, _ in items], [v for _, (v, _n) in items])
         axes[1].invert_yaxis()
         axes[1].set_xlabel(f"ms at {counts[0]} thread(s)")
         axes[1].set_title("blockpad's time by op")
