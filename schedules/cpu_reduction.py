@@ -152,17 +152,20 @@ def _vectorize(sch, block, lanes):
     kinds = _loop_kinds(sch, block, walk)
     spatial = [l for l, k in zip(walk, kinds) if k == SPATIAL]
     reduce = [l for l, k in zip(walk, kinds) if k == REDUCE]
-    if spatial:
-        vec = spatial.pop()
-        extent = int(sch.get(vec).extent)
-        if extent > _width(extent, lanes):
+    vec = spatial.pop() if spatial else None
+    extent = sch.get(vec).extent if vec is not None else None
+    if isinstance(extent, tirx.IntImm):
+        if int(extent) > _width(int(extent), lanes):
             part, vec = sch.split(vec, [None, lanes])
             spatial.append(part)
         sch.reorder(*spatial, *reduce, vec)
         sch.vectorize(vec)
+    elif vec is not None:   # a region compute_at left symbolic (a clamped block of rows): scalar
+        spatial.append(vec)
+        vec = None
     if reduce:
         init = sch.decompose_reduction(block, reduce[0])
-        if spatial:
+        if vec is not None:
             sch.vectorize(sch.get_loops(init)[-1])
     _partition_selects(sch, block)
 

@@ -39,6 +39,11 @@ SOFTMAX = {
         "dst": {"tag": "bcdAe3a", "paddings": {"a": [6, 6]}}} for policy in ("on_handle", "user")},
     "softmax_twice_blocked_user": {"shape": [2, 20, 3], "axis": 2, "src": "abc",
                                    "dst": "aBc16b8b", "policy": "user", "log": True},
+    # a source blocked on its outer dim: the statistics' rows come as a clamped, symbolic
+    # extent, left scalar (was a scheduling failure; blockpad check seed 20261122 case 269)
+    "softmax_outer_block": {"shape": [5, 2, 2, 5], "axis": -2, "policy": "on_handle",
+                            "src": {"tag": "ABcd4b8a", "paddings": {"d": [2, 1]}},
+                            "dst": {"tag": "aBcd16b", "paddings": {"a": [2, 2]}}},
 }
 WINDOW = {"kernel": [3, 3], "stride": [2, 2], "pad": [1, 1]}
 POOL = {
