@@ -1,4 +1,4 @@
-"""Elementwise ops (eltwise, binary) on every CPU target: outer loops in parallel, the
+"""Elementwise ops (eltwise, binary, quantize, dequantize) on every CPU target: outer loops in parallel, the
 innermost loop vectorised to the register width.
 
 Their kernels carry conditions that TVM's vectoriser cannot keep in a vector: the block
@@ -37,7 +37,7 @@ class Elementwise(ScheduleRule):
     """Eltwise and binary ops: outer loops in parallel, innermost loop vectorised to the
     register width, loops partitioned so that no condition varies across the lanes."""
 
-    ops = ("eltwise", "binary")
+    ops = ("eltwise", "binary", "quantize", "dequantize")
 
     def schedule(self, func, target):
         sch = s_tir.Schedule(vector_math(func))

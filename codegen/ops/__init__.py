@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import binary, concat, conv, eltwise, matmul, pool, postops, softmax, winograd
+from . import binary, concat, conv, eltwise, matmul, pool, postops, quantize, softmax, winograd
 from .reorder import reorder, zero_pad
 
 
@@ -57,6 +57,10 @@ OPS = {
                   check=softmax.check),
     "pool": Op(("src", "dst"), pool.make, pool.PARAMS, pool.signature),
     "concat": Op(concat.TENSORS, concat.make, concat.PARAMS, concat.signature),
+    "quantize": Op(("src", "dst"), quantize.make_quantize, quantize.QUANTIZE_PARAMS,
+                   quantize.quantize_signature),
+    "dequantize": Op(("src", "dst"), quantize.make_dequantize, quantize.DEQUANTIZE_PARAMS,
+                     quantize.dequantize_signature),
     "winograd_weights": Op(("src", "dst"), winograd.make_transform, winograd.PARAMS,
                            winograd.transform_signature, policy_free=True),
 }
