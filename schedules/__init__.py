@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import tvm
 
-from . import (arm, cpu_reduction, cuda, cuda_conv, cuda_reduction, data_movement, generic,
-               register_tiled, winograd, x86_tensorized)
+from . import (arm, cpu_reduction, cuda, cuda_conv, cuda_reduction, data_movement, depthwise,
+               generic, register_tiled, winograd, x86_tensorized)
 from .elementwise import Elementwise
 from .rule import first_match
 from .vector_math import VectorMath
 
 RULES = {
     "x86": [*data_movement.RULES, Elementwise(), *x86_tensorized.RULES, *winograd.RULES,
-            *register_tiled.RULES, *cpu_reduction.RULES, VectorMath(), generic.Fallback()],
+            *depthwise.RULES, *register_tiled.RULES, *cpu_reduction.RULES, VectorMath(),
+            generic.Fallback()],
     "arm": [*winograd.RULES, *arm.RULES, generic.Fallback()],
     # never generic.Fallback: GPU kernels must bind threads
     "cuda": [*cuda.RULES, *cuda_conv.RULES, *cuda_reduction.RULES, cuda.Fallback()],

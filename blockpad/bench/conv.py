@@ -101,6 +101,30 @@ def report(what, threads, rows, repeat):
           "; '%peak best': the kernel's fastest round against the peak's fastest (what an "
           "undisturbed machine gives; the medians carry the neighbours' load)")
     print(table(body, head))
+    _report_bandwidth(threads, [r for r in rows if "bandwidth" in r], mine, peers)
+
+
+def _report_bandwidth(threads, rows, mine, peers):
+    """The memory-bound rows (depthwise) in GB/s of their least traffic (sources read once,
+    destination written once), against a plain copy moving as many bytes in the same rounds;
+    'FMA bound': the most the FMA units allow at the measured peak (a 3x3 depthwise does 9
+    FMAs per element: on a core whose copy streams from cache faster than that, no kernel
+    reaches the copy)."""
+    if not rows:
+        return
+    head = ["shape", "MB moved", "copy GB/s", *[f"{k} GB/s" for k in mine + peers]]
+    head += [f"{k.split()[-1]} / copy" for k in mine]
+    head += [f"FMA bound {k.split()[-1]} / copy" for k in mine]
+    body = []
+    for r in rows:
+        b = r["bandwidth"]
+        body.append([r["shape"], f"{b['bytes'] / 1e6:.1f}", f"{b['copy']:.1f}",
+                     *[f"{b['gbs'][k]:.1f}" for k in mine + peers],
+                     *[f"{b['gbs'][k] / b['copy']:.0%}" for k in mine],
+                     *[f"{b['fma_bound'][k.split()[-1]] / b['copy']:.0%}" for k in mine]])
+    print(f"\nmemory-bound convolutions, {threads} thread(s): bandwidth against a plain copy "
+          f"of the same bytes (median of the same interleaved rounds)")
+    print(table(body, head))
 
 
 def plot(what, results, png):
@@ -174,11 +198,13 @@ def _conv_peers(params, arrays):
     import torch.nn.functional as F
     import torch.utils.mkldnn
 
-    x, w = torch.from_numpy(arrays["src"]), torch.from_numpy(arrays["weights"])
-    kw = {"stride": tuple(params["stride"]), "padding": tuple(params["pad"])}
+    groups = params.get("groups", 1)
+    w = arrays["weights"]
+    x, w = torch.from_numpy(arrays["src"]), torch.from_numpy(w.reshape(-1, *w.shape[-3:]))
+    kw = {"stride": tuple(params["stride"]), "padding": tuple(params["pad"]), "groups": groups}
     cl = torch.channels_last
     xc, wc = x.contiguous(memory_format=cl), w.contiguous(memory_format=cl)
-    conv = torch.nn.Conv2d(w.shape[1], w.shape[0], w.shape[2:], bias=False, **kw).eval()
+    conv = torch.nn.Conv2d(x.shape[1], w.shape[0], w.shape[2:], bias=False, **kw).eval()
     conv.weight.data.copy_(w)
     mk = torch.utils.mkldnn.to_mkldnn(conv)        # weights reordered once, blocked
     xm = x.to_mkldnn()
@@ -245,9 +271,13 @@ def worker(what, dirs, repeat, quick):
                           _matmul_peers(arrays))
         for t, p in peaks.items():
             contenders[f"peak {t}"] = p
+        moved = _bytes_moved(arrays, ref) if params.get("groups", 1) > 1 else 0
+        if moved:   # bound by memory traffic: a plain copy of as many bytes is the yardstick
+            contenders["copy"] = _copy(moved, threads)
         rounds = interleaved_rounds(contenders, repeat)
-        flops = 2 * float(np.prod(ref.shape)) * (
-            float(np.prod(arrays["weights"].shape[1:])) if op == "conv2d"
+        copy = rounds.pop("copy", None)
+        flops = 2 * float(np.prod(ref.shape)) * (   # (K, C, kh, kw) or (G, K/G, C/G, kh, kw)
+            float(np.prod(arrays["weights"].shape[-3:])) if op == "conv2d"
             else arrays["src"].shape[1])
 
         def rate(k, secs):
@@ -262,8 +292,34 @@ def worker(what, dirs, repeat, quick):
                                        for t in peaks},
                      "best_peak_fraction": {f"blockpad {t}": best[f"blockpad {t}"]
                                             / best[f"peak {t}"] for t in peaks}})
+        if copy is not None:
+            rows[-1]["bandwidth"] = {
+                "bytes": moved, "copy": moved / statistics.median(copy) / 1e9,
+                "gbs": {k: moved / statistics.median(t) / 1e9 for k, t in rounds.items()
+                        if not k.startswith("peak")},
+                # the fastest the FMA units allow: the flops at the measured peak
+                "fma_bound": {t: moved / (flops / (peak[t] * 1e9)) / 1e9 for t in peaks}}
         print(f"{name}: done", file=sys.stderr, flush=True)
     print(json.dumps(rows))
+
+
+def _bytes_moved(arrays, ref) -> int:
+    """Bytes a kernel must move at least: its sources read once, its destination written once
+    (fp32)."""
+    return 4 * (sum(a.size for a in arrays.values()) + ref.size)
+
+
+def _copy(nbytes, threads):
+    """A plain copy moving ``nbytes`` (half read, half written), on ``threads`` threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .common import threaded_copy
+
+    src = np.ones(nbytes // 8, np.float32)
+    dst = np.empty_like(src)
+    if threads == 1:
+        return lambda: np.copyto(dst, src)
+    return threaded_copy(dst, src, ThreadPoolExecutor(threads - 1), threads)
 
 
 def _label(op, arrays, params):
@@ -271,10 +327,13 @@ def _label(op, arrays, params):
         (m, k), n = arrays["src"].shape, arrays["weights"].shape[1]
         return f"{m}x{k}x{n}"
     _, c, h, w = arrays["src"].shape
-    k, _, kh, kw = arrays["weights"].shape
+    kh, kw = arrays["weights"].shape[-2:]
+    k = arrays["weights"].shape[0] * (arrays["weights"].shape[1] if params.get("groups", 1) > 1
+                                      else 1)
     s = params["stride"][0]
     m = params.get("winograd", {}).get("tile")
-    return f"C{c} K{k} {h}x{w} {kh}x{kw}" + (f" s{s}" if s > 1 else "") + \
+    kind = "dw " if params.get("groups", 1) == c == k else ""
+    return f"{kind}C{c} K{k} {h}x{w} {kh}x{kw}" + (f" s{s}" if s > 1 else "") + \
         (f" F({m}x{m})" if m else "")
 
 
