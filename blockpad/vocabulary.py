@@ -27,6 +27,19 @@ POST_OP_DEFAULTS = MappingProxyType({"bias": MappingProxyType({}),
                                      "eltwise": ELTWISE_DEFAULTS,
                                      "sum": MappingProxyType({"scale": 1.0})})
 
+# ---- quantization attributes of integer conv2d and matmul (codegen/ops/quant.py) ---------------
+
+#: Each attribute and its value when a spec, a Graph call or a manifest leaves it out: no zero
+#: points, a per-channel weight scale, no destination scale, and the destination type the op
+#: has without them (None: float32 for uint8/int8 sources).
+QUANT_DEFAULTS = MappingProxyType({"src_zero_point": 0, "scales": "channel", "dst_scale": 1.0,
+                                   "dst_zero_point": 0, "dst_dtype": None})
+#: ``scales``: one weight scale per output channel (a (K,) ``scale``) or per tensor (a (1,) one).
+SCALES = ("channel", "tensor")
+#: The destination types of an integer kernel; the integer ones are rounded half to even and
+#: saturated.
+QUANT_DST_DTYPES = ("float32", "int32", "int8", "uint8")
+
 # ---- stage names: the TE stages (TIR blocks) the generator makes and the rules look up --------
 
 ACC = "acc"     #: the reduction of a convolution, matmul or pooling, before its epilogue

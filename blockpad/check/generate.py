@@ -8,7 +8,9 @@ can be rebuilt alone from the pair that names it, whatever batch it first ran in
 What is drawn, and why:
 
 * ops: reorder, zero_pad, eltwise, binary, conv2d (groups, depthwise, int8, bf16), matmul,
-  softmax / log-softmax, pool; post-op chains on conv2d and matmul;
+  softmax / log-softmax, pool; post-op chains on conv2d and matmul; on integer ones the
+  quantization attributes (zero points, per-tensor scales, int32 bias, destination scale and
+  type), drawn last so that a case's layouts do not depend on them;
 * shapes small (the checker runs thousands) but never block multiples by design: a partial last
   block, dims of 1, odd spatial sizes are where padding code goes wrong;
 * layouts: plain, channels-last, blocked once or twice (``4i16o4i``), blocked on a spatial
@@ -307,7 +309,30 @@ def _conv2d(rng, prof):
                            halo="hw"),
              "weights": layout(rng, wletters, wshape, wdtype, prof.blocks, block=wblock,
                                halo="", permute=False)}
-    return _dot_tensors(rng, entry, "nchw", [n, k, *out], prof)
+    return _quant(rng, _dot_tensors(rng, entry, "nchw", [n, k, *out], prof))
+
+
+def _quant(rng, entry):
+    """oneDNN's quantization attributes on an integer kernel (a quarter keep today's
+    defaults): a source zero point over the source type's range, per-tensor or per-channel
+    scales, a destination type with a zero point inside its range and a scale that spreads
+    the chain's values (of order one) over it, saturating some; an int32 bias, first in the
+    chain by design (it is added to the accumulator)."""
+    if entry["dtype"] not in ("int8", "uint8") or rng.random() < 0.25:
+        return entry
+    lo, hi = (0, 255) if entry["dtype"] == "uint8" else (-128, 127)
+    dst = str(rng.choice(["float32", "int32", "int8", "uint8"]))
+    zlo, zhi = {"int8": (-20, 20), "uint8": (0, 255)}.get(dst, (-1000, 1000))
+    entry.update(src_zero_point=int(rng.integers(lo, hi + 1)) if rng.random() < 0.8 else 0,
+                 scales=str(rng.choice(["channel", "tensor"])), dst_dtype=dst,
+                 dst_scale=float(rng.choice([1.0, 0.05, 0.02])),
+                 dst_zero_point=int(rng.integers(zlo, zhi + 1)) if rng.random() < 0.7 else 0)
+    chain = entry["post_ops"]
+    bias = [p for p in chain if p["kind"] == "bias"]
+    if bias and rng.random() < 0.5:
+        entry["post_ops"] = [{"kind": "bias", "dtype": "int32"},
+                             *(p for p in chain if p["kind"] != "bias")]
+    return entry
 
 
 def _matmul(rng, prof):
@@ -318,7 +343,7 @@ def _matmul(rng, prof):
              "post_ops": _post_ops(rng),
              "src": layout(rng, "ab", [m, kk], dtype, prof.blocks, block="ba"),
              "weights": layout(rng, "ab", [kk, n], wdtype, prof.blocks, block="ba", halo="")}
-    return _dot_tensors(rng, entry, "ab", [m, n], prof)
+    return _quant(rng, _dot_tensors(rng, entry, "ab", [m, n], prof))
 
 
 _MAKERS = {"reorder": _reorder, "zero_pad": _zero_pad, "eltwise": _eltwise, "binary": _binary,

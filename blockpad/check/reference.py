@@ -144,8 +144,13 @@ DOT_TYPES = {"float64": ("float64", "float64"), "float16": ("float32", "float16"
 def dot(entry, t):
     """conv2d and matmul: the product in int64 or float64, the output scale, then the post-op
     chain in order, each step in the accumulator's type (float32 but for float64 sources),
-    rounded to the destination's at the store."""
+    rounded to the destination's at the store. Integer sources (oneDNN's quantization
+    attributes): the source shifted by its zero point, so that padding, zero after the
+    shift, is the zero point; an int32 bias added to the exact sum; after the chain the
+    destination scale and zero point (``requantize``)."""
     x, w = _wide(t["src"]), _wide(t["weights"])
+    x = x - entry.get("src_zero_point", 0)
+    int_bias = "bias" in t and t["bias"].dtype == np.int32
     if entry["op"] == "matmul":
         acc, absacc = x @ w, np.abs(x) @ np.abs(w)
         terms, channel = x.shape[1], (slice(None),)
@@ -156,6 +161,8 @@ def dot(entry, t):
         channel = (slice(None), None, None)
     acc_type, dst_type = DOT_TYPES.get(t["src"].dtype.name, ("float32", "float32"))
     u = UNIT[acc_type]
+    if int_bias:
+        acc = acc + t["bias"].astype(np.int64)[channel]
     v = acc.astype(np.float64)
     if "scale" in t:            # integer: exact int32 sum, rounded to float32, scaled
         v = v * t["scale"].astype(np.float64)[channel]
@@ -164,6 +171,8 @@ def dot(entry, t):
         bound = terms * u * absacc.astype(np.float64)
     for p in entry.get("post_ops", []):
         if p["kind"] == "bias":
+            if int_bias:
+                continue
             v = v + t["bias"].astype(np.float64)[channel]
             bound = bound + u * np.abs(v)
         elif p["kind"] == "sum":
@@ -171,7 +180,40 @@ def dot(entry, t):
             bound = bound + 2 * u * np.abs(v)
         else:
             v, bound = through(eltwise_fn(p), v, bound, u)
+    if "scale" in t:
+        return requantize(entry, v, bound)
     return v, bound + UNIT[dst_type] * np.abs(v)
+
+
+INT_RANGES = {"int8": (-128, 127), "uint8": (0, 255), "int32": (-2 ** 31, 2 ** 31 - 1)}
+
+
+def saturate(r, dtype: str, zp: int):
+    """``r`` (integers as floats) plus ``zp``, saturated to ``dtype``: the sum clamped to the
+    float32 values nearest inside ``[min - zp, max - zp]`` first (an int32 destination
+    saturates at 2**31 - 128 - zp, the float32 below 2**31, as oneDNN's conversion does)."""
+    lo, hi = INT_RANGES[dtype]
+    f_lo, f_hi = np.float32(lo - zp), np.float32(hi - zp)
+    f_lo = f_lo if int(f_lo) >= lo - zp else np.nextafter(f_lo, np.float32(np.inf))
+    f_hi = f_hi if int(f_hi) <= hi - zp else np.nextafter(f_hi, np.float32(-np.inf))
+    return np.clip(r, float(f_lo), float(f_hi)) + zp
+
+
+def requantize(entry, v, bound):
+    """The end of an integer kernel's chain: ``v / dst_scale + dst_zero_point`` into a
+    float32 destination; into an integer one rounded half to even (``np.rint``) before the
+    zero point is added, then saturated. The bound of an integer result is the rounding
+    step it may take: 1 where ``v +- bound`` straddles a half-way point, else 0 (exact)."""
+    scale, zp = float(entry.get("dst_scale", 1.0)), int(entry.get("dst_zero_point", 0))
+    dtype = entry.get("dst_dtype") or "float32"
+    u = UNIT["float32"]
+    v, bound = v / scale, bound / scale + (u * np.abs(v / scale) if scale != 1.0 else 0)
+    if dtype == "float32":
+        v = v + zp
+        return v, bound + u * np.abs(v)
+    want = saturate(np.rint(v), dtype, zp)
+    lo, hi = (saturate(np.rint(v + s * bound), dtype, zp) for s in (-1, 1))
+    return want, np.maximum(hi - want, want - lo)
 
 
 REFERENCES = {"reorder": reorder, "eltwise": eltwise, "binary": binary, "softmax": softmax,

@@ -8,7 +8,9 @@ family) for ``groups = 1`` and ``(G, K/G, C/G, KH, KW)`` (``goihw``) otherwise; 
 ``groups = C`` (e.g. ``Goihw16g``). ``dilation = 1`` is a dense kernel (PyTorch's convention,
 oneDNN's 0). ``pad``: see below. Element types as matmul's (``postops.types``): float32
 (float64, float16 too); int8: ``uint8``/``int8`` source x ``int8`` weights accumulated in int32,
-then ``dst = scale[k] * acc`` (+ post-ops) in float32; or ``bfloat16`` x ``bfloat16``
+then ``dst = scale[k] * acc`` (+ post-ops) in float32, or with the quantization attributes
+(``quant.py``: source and destination zero points, per-tensor weight scale, int32 bias,
+destination scale, int8/uint8/int32 destinations); or ``bfloat16`` x ``bfloat16``
 accumulated in float32, bias and post-ops in float32, a float32 destination. bf16 is kept as its
 uint16 bits in the kernel's arguments (DLPack and numpy have no bfloat16) and reinterpreted where
 the reduction reads it, after any spatial-padding guard or staged copy (which move bits: a zero
@@ -42,13 +44,13 @@ from blockpad import winograd as wino
 from blockpad.errors import SpecError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
 
-from . import postops, winograd
+from . import postops, quant, winograd
 from .common import OpDef, Source, int_pair, materialize, plan_for
 
 TENSORS = ("src", "weights", *postops.TENSORS, "dst")
 PARAMS = {"channels": None, "kernel": [1, 1], "stride": [1, 1], "pad": [0, 0],
           "dilation": [1, 1], "groups": 1, "spatial_pad": "fused", "post_ops": [],
-          "algorithm": "direct", "winograd_tile": wino.DEFAULT_TILE}
+          "algorithm": "direct", "winograd_tile": wino.DEFAULT_TILE, **quant.PARAMS}
 ALGORITHMS = ("direct", "winograd", "auto")   # auto: resolved by the build (codegen.algorithm)
 
 
@@ -103,25 +105,28 @@ class Geometry:
 
 def signature(shape, dtype, params):
     """``shape``: the source (N, C, H, W); ``channels``: K. Integer sources take int8 weights,
-    a float32 per-channel ``scale`` and give a float32 destination; bf16 sources take bf16
-    weights and float32 post-op tensors and destination."""
+    a float32 ``scale`` (per channel or per tensor) and give a ``dst_dtype`` destination
+    (float32 by default); bf16 sources take bf16 weights and float32 post-op tensors and
+    destination."""
     geo = Geometry.of(tuple(shape), *(params[p] for p in
                       ("channels", "kernel", "stride", "pad", "dilation", "groups")))
     wei, _, out = postops.types(dtype)
+    out = quant.dst_dtype(dtype, quant.check(dtype, params), out)
     dst = (geo.n, geo.k, *geo.out)
     weights = geo.weights
     if params.get("algorithm") == "winograd":   # the weights come transformed (winograd.py)
         weights = wino.weights_shape(geo.k, geo.c, params.get("winograd_tile"))
     return {"src": (tuple(shape), dtype), "weights": (weights, wei),
-            **postops.tensors(params["post_ops"], dst, geo.k, dtype),
+            **postops.tensors(params["post_ops"], dst, geo.k, dtype, params),
             "dst": (dst, out)}
 
 
 def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad=(0, 0),
          dilation=(1, 1), groups=1, spatial_pad="fused", post_ops=(), algorithm="direct",
-         winograd_tile=wino.DEFAULT_TILE):
+         winograd_tile=wino.DEFAULT_TILE, **attrs):
     src, wei, dst = layouts["src"], layouts["weights"], layouts["dst"]
     geo = Geometry.of(src.shape, channels, kernel, stride, pad, dilation, groups)
+    attrs = quant.check(src.dtype, attrs)   # quantization: refused on float sources
     if algorithm not in ALGORITHMS[:2]:
         raise SpecError(f"conv2d: algorithm must be one of {', '.join(ALGORITHMS)} ('auto' is "
                         f"resolved by the build); got {algorithm!r}")
@@ -142,7 +147,9 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
 
     def opdef(mode):
         x, w = Source("src", src, mode, bits), Source("weights", wei, mode, bits)
-        post = postops.Chain(post_ops, layouts, mode)
+        comp = quant.conv_compensation(w, geo, dst, c_red) if attrs["src_zero_point"] else None
+        requant = quant.Requant(attrs, dst.dtype, comp) if src.dtype in quant.INTEGER else None
+        post = postops.Chain(post_ops, layouts, mode, requant)
         xs = PaddedCopy(x, geo.pad) if staged else x
         rc = te.reduce_axis((0, c_red), "rc")
         rh, rw = te.reduce_axis((0, kh), "rh"), te.reduce_axis((0, kw), "rw")
@@ -158,7 +165,8 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
 
         params = {"channels": geo.k, "kernel": list(geo.kernel), "stride": list(geo.stride),
                   "pad": pad_sides_param(geo.pad), "dilation": list(geo.dilation),
-                  "groups": groups, "spatial_pad": spatial_pad, "post_ops": list(post_ops)}
+                  "groups": groups, "spatial_pad": spatial_pad, "post_ops": list(post_ops),
+                  **quant.recorded(attrs)}
         return OpDef("conv2d", [x, w, *post.sources.values()], value, reduce=True,
                      epilogue=post, params=params, axes=[rc, rh, rw])
 

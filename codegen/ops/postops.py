@@ -11,8 +11,11 @@ applied in the order given to the reduced value ``v`` at destination element ``i
 
 The chain runs in the accumulator's type: the source's for float32 and float64, float32 for
 float16 (cast to the destination's at the store). Integer kernels (uint8/int8 x int8 -> int32)
-start it with the per-channel output scale, v = scale[k] * float(acc) (oneDNN's output scales),
-so their destination is float32. Bias and sum have the destination's dtype. The tensors come as
+start it in int32 (source zero-point compensation, an int32 bias: ``{kind = "bias", dtype =
+"int32"}``, first in the chain) and with the weight scale, v = scale * float(acc) (oneDNN's
+output scales), and end it with the destination scale, zero point, rounding and saturation to
+``dst_dtype``: ``quant.py`` holds both ends and their order. Bias has the destination's dtype
+(float32 for integer kernels unless it says int32), sum the destination's. The tensors come as
 kernel arguments in the fixed order scale, bias, sum, whatever the order of the chain; each
 kind that reads a tensor may appear once.
 
@@ -33,16 +36,17 @@ from blockpad.errors import SpecError
 from blockpad.layout import Layout
 from blockpad.vocabulary import POST_OP_DEFAULTS
 
-from . import eltwise
+from . import eltwise, quant
 from .common import Source, dtype_of
 
-INTEGER = ("int8", "uint8")
+INTEGER = quant.INTEGER
 # floating sources and their accumulators; bfloat16 would need the bit storage (uint16 buffers)
 # that reorders use, in compute ops, which no op has yet
 ACCUMULATOR = {"float32": "float32", "float64": "float64", "float16": "float32"}
 CHANNEL = 1   # the output-channel dim of the destination's logical index (n k h w; m n)
 TENSORS = ("scale", "bias", "sum")   # argument order
 DEFAULT_TAGS = {"scale": "a", "bias": "a"}   # 1-D: a spec may leave their layouts out
+OPTIONAL = {"bias": ("dtype",)}   # keys without a default (quant.bias_dtype)
 
 
 BF16 = "bfloat16"   # in kernel arguments as its uint16 bits: numpy and DLPack have no bf16
@@ -83,7 +87,7 @@ def check(post_ops) -> list[dict]:
         kind = p.get("kind") if isinstance(p, dict) else None
         if kind not in POST_OP_DEFAULTS:
             raise SpecError(f"post_ops[{i}]: kind must be one of {', '.join(POST_OP_DEFAULTS)}; got {p!r}")
-        unknown = sorted(set(p) - {"kind", *POST_OP_DEFAULTS[kind]})
+        unknown = sorted(set(p) - {"kind", *POST_OP_DEFAULTS[kind], *OPTIONAL.get(kind, ())})
         if unknown:
             raise SpecError(f"post_ops[{i}] ({kind}): unknown key {', '.join(unknown)}; "
                             f"expected {', '.join(['kind', *POST_OP_DEFAULTS[kind]])}")
@@ -95,13 +99,18 @@ def check(post_ops) -> list[dict]:
     return out
 
 
-def tensors(post_ops, dst_shape, channels: int, src_dtype: str) -> dict:
-    """The extra tensors the chain reads, in argument order: ``{name: (shape, dtype)}``."""
-    kinds = {p["kind"] for p in check(post_ops)}
-    dst = types(src_dtype)[2]
-    out = {"scale": ((channels,), "float32")} if src_dtype in INTEGER else {}
+def tensors(post_ops, dst_shape, channels: int, src_dtype: str, params=None) -> dict:
+    """The extra tensors the chain reads, in argument order: ``{name: (shape, dtype)}``;
+    ``params``: the op's, for its quantization attributes (``quant.py``)."""
+    ops = check(post_ops)
+    kinds = {p["kind"] for p in ops}
+    params = quant.check(src_dtype, params or {})
+    natural = types(src_dtype)[2]
+    dst = quant.dst_dtype(src_dtype, params, natural)
+    out = {"scale": (quant.scale_shape(params, channels), "float32")} \
+        if src_dtype in INTEGER else {}
     if "bias" in kinds:
-        out["bias"] = ((channels,), dst)
+        out["bias"] = ((channels,), quant.bias_dtype(ops, src_dtype, natural))
     if "sum" in kinds:
         out["sum"] = (tuple(dst_shape), dst)
     return out
@@ -121,8 +130,9 @@ class Chain:
     """The chain of one kernel: its sources (``sources``, argument order) and, called as
     ``chain(v, idx)``, the epilogue ``OpDef`` applies to the reduced value."""
 
-    def __init__(self, post_ops, layouts: dict, mode: str):
+    def __init__(self, post_ops, layouts: dict, mode: str, requant=None):
         self.ops = check(post_ops)
+        self.requant = requant   # quant.Requant: the ends of an integer kernel's chain
         check_layouts(layouts)
         dst = layouts["dst"]
         self.sources = {n: Source(n, layouts[n], mode) for n in TENSORS if n in layouts}
@@ -133,17 +143,20 @@ class Chain:
     def __call__(self, v, idx):
         """Computed in the accumulator's type (float32 for integer and 16-bit sources)."""
         k = idx[CHANNEL] + self.offset
+        int_bias = "bias" in self.sources and self.sources["bias"].dtype == "int32"
+        if self.requant is not None:
+            v = self.requant.start(v, idx, self.per_channel["bias"][k] if int_bias else None)
         if "scale" in self.per_channel:
             v = v.astype("float32") * self.per_channel["scale"][k]
         dtype = dtype_of(v)
         for p in self.ops:
-            if p["kind"] == "bias":
+            if p["kind"] == "bias" and not int_bias:
                 v = v + self.per_channel["bias"][k].astype(dtype)
             elif p["kind"] == "sum":
                 v = v + tirx.const(p["scale"], dtype) * self.sources["sum"](*idx).astype(dtype)
-            else:
+            elif p["kind"] == "eltwise":
                 v = eltwise.apply(p["algorithm"], v, p["alpha"], p["beta"])
-        return v
+        return v if self.requant is None else self.requant.finish(v)
 
 
 def _extended(t: Source, dst: Layout) -> te.Tensor:

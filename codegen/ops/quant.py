@@ -1,0 +1,216 @@
+"""Quantization attributes of integer convolution and matmul: oneDNN v3's, onto which ONNX's
+``QLinearConv`` / ``QLinearMatMul`` (and QDQ pairs) map. For a ``uint8``/``int8`` source and
+``int8`` weights, a destination element is computed in this order:
+
+    acc  = sum(src * wei)                      int32; padding (halo, padded channels) read as 0
+    acc -= src_zero_point * comp               int32; comp: the weights' sum over the taps that
+                                               read the image (below)
+    acc += bias                                int32 bias only (ONNX QLinearConv's)
+    v    = float32(acc) * scale                float32; scale[k] ("channel") or scale[0] ("tensor")
+    v    = post_ops(v)                         float32 bias, eltwise, sum: the chain, in order
+    dst  = v / dst_scale + dst_zero_point      a float32 destination
+    dst  = saturate(nearbyint(v / dst_scale) + dst_zero_point)     int32, int8, uint8
+
+``nearbyint`` rounds half to even (one ``vroundps``); the zero point is added to the rounded
+value (an integer), then the sum saturates to the destination's range; an int32 destination
+saturates at the float32 values nearest inside its range (2**31 - 128 is the largest float32
+below 2**31), as oneDNN's conversion does. A multiply by ``scale`` and a float32 bias may be
+contracted to one FMA by the compiler where the target has it; the order is otherwise exact.
+
+Zero points and padding, oneDNN's semantics (its ``zp_src_pad_comp``): the padding of a
+zero-point-shifted source *is* the zero point, i.e. it contributes 0 to ``acc`` after the
+shift. The dot product reads padding as 0 whatever the spatial padding (a fused guard, a
+staged copy, a pre-padded halo: all unchanged, so the inner loop stays a plain u8 x s8 -> s32
+dot product), and the compensation counts the weights of the taps that read the image only:
+
+    wsum[k, kh, kw]  = sum_c wei[k, c, kh, kw]                          (stage ``zp_wsum``)
+    comp[k, oh, ow]  = sum over (kh, kw) whose source row and column lie inside the image of
+                       wsum[k, kh, kw]                                    (stage ``zp_comp``)
+
+Padded channels need nothing: their weights are zero. The kernel computes both stages itself on
+every call (no extra argument, nothing for a caller to get wrong): ``K C KH KW`` additions plus
+``K OH OW KH KW`` (spatial padding only; ``comp[k]`` otherwise), a small part of the
+convolution's ``N K OH OW C KH KW``. matmul's is ``comp[n] = sum_k wei[k, n]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm import te, tirx
+
+from blockpad.errors import SpecError
+from blockpad.vocabulary import QUANT_DEFAULTS, QUANT_DST_DTYPES, SCALES
+
+INTEGER = ("int8", "uint8")
+PARAMS = dict(QUANT_DEFAULTS)
+BIAS_DTYPES = ("float32", "int32")   # a bias post-op's ``dtype`` on an integer kernel
+RANGE = {t: (int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in ("int8", "uint8", "int32")}
+
+
+def _int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def check(src_dtype: str, params: dict) -> dict:
+    """The attributes of a kernel whose source is ``src_dtype``, defaults filled in; a
+    SpecError names a bad value, or any attribute given to a floating-point kernel."""
+    q = {k: params.get(k, v) for k, v in QUANT_DEFAULTS.items()}
+    given = sorted(k for k, v in q.items() if v != QUANT_DEFAULTS[k])
+    if src_dtype not in INTEGER:
+        if given:
+            raise SpecError(f"{', '.join(given)}: quantization attributes need a uint8 or int8 "
+                            f"source; got {src_dtype}")
+        return q
+    lo, hi = RANGE[src_dtype]
+    if not _int(q["src_zero_point"]) or not lo <= q["src_zero_point"] <= hi:
+        raise SpecError(f"src_zero_point: expected an integer in [{lo}, {hi}] ({src_dtype} "
+                        f"source); got {q['src_zero_point']!r}")
+    if q["scales"] not in SCALES:
+        raise SpecError(f"scales: expected one of {', '.join(SCALES)}; got {q['scales']!r}")
+    s = q["dst_scale"]
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < float("inf"):
+        raise SpecError(f"dst_scale: expected a positive finite number; got {s!r}")
+    dst = dst_dtype(src_dtype, q)
+    lo, hi = RANGE.get(dst, RANGE["int32"])
+    if not _int(q["dst_zero_point"]) or not lo <= q["dst_zero_point"] <= hi:
+        raise SpecError(f"dst_zero_point: expected an integer in [{lo}, {hi}] ({dst} "
+                        f"destination); got {q['dst_zero_point']!r}")
+    return q
+
+
+def dst_dtype(src_dtype: str, params: dict, natural: str = "float32") -> str:
+    """The destination's type: ``dst_dtype`` for an integer kernel (float32 unless given),
+    else ``natural`` (the op's own, from ``postops.types``)."""
+    want = params.get("dst_dtype")
+    if src_dtype not in INTEGER:
+        return natural
+    if want is not None and want not in QUANT_DST_DTYPES:
+        raise SpecError(f"dst_dtype: expected one of {', '.join(QUANT_DST_DTYPES)}; got "
+                        f"{want!r}")
+    return want or "float32"
+
+
+def scale_shape(params: dict, channels: int) -> tuple:
+    """``(K,)`` for per-channel weight scales, ``(1,)`` for one per tensor."""
+    return (1,) if params.get("scales", "channel") == "tensor" else (channels,)
+
+
+def bias_dtype(post_ops: list, src_dtype: str, natural: str) -> str:
+    """The bias tensor's type: a bias post-op's ``dtype`` (``int32``: added to the integer
+    accumulator before the scale, so it must come first in the chain; ``float32``: after the
+    scale, where it stands), else ``natural``."""
+    for i, p in enumerate(post_ops):
+        if p["kind"] != "bias" or "dtype" not in p:
+            continue
+        want = p["dtype"]
+        if src_dtype not in INTEGER or want not in BIAS_DTYPES:
+            raise SpecError(f"post_ops[{i}] (bias): dtype {want!r} needs a uint8 or int8 "
+                            f"source and one of {', '.join(BIAS_DTYPES)}; got a {src_dtype} "
+                            f"source")
+        if want == "int32" and i:
+            raise SpecError(f"post_ops[{i}] (bias): an int32 bias is added to the int32 "
+                            f"accumulator, before the scale and every other post-op, so it "
+                            f"must be post_ops[0]")
+        return want
+    return natural
+
+
+class Requant:
+    """The two ends of an integer kernel's chain: ``start`` (int32: zero-point compensation,
+    int32 bias) and ``finish`` (destination scale, zero point, rounding, saturation, type).
+    ``comp(idx)`` reads the compensation at a destination index (``None``: no source zero
+    point)."""
+
+    def __init__(self, params: dict, dst: str, comp=None):
+        self.zp, self.dst = int(params["src_zero_point"]), dst
+        self.dst_scale, self.dst_zp = float(params["dst_scale"]), int(params["dst_zero_point"])
+        self.comp = comp if self.zp else None
+
+    def start(self, acc, idx, int_bias=None):
+        if self.comp is not None:
+            acc = acc - tirx.const(self.zp, "int32") * self.comp(idx)
+        if int_bias is not None:
+            acc = acc + int_bias
+        return acc
+
+    def finish(self, v):
+        if self.dst_scale != 1.0:
+            v = v / tirx.const(self.dst_scale, "float32")
+        if self.dst == "float32":
+            return v + tirx.const(float(self.dst_zp), "float32") if self.dst_zp else v
+        lo, hi = saturation_bounds(self.dst, self.dst_zp)
+        r = tirx.min(tirx.max(tirx.nearbyint(v), tirx.const(lo, "float32")),
+                     tirx.const(hi, "float32"))
+        q = r.astype("int32")
+        if self.dst_zp:
+            q = q + tirx.const(self.dst_zp, "int32")
+        return q.astype(self.dst)
+
+
+def saturation_bounds(dst: str, zp: int) -> tuple:
+    """The float32 range a rounded value is clamped to before ``zp`` is added: the float32
+    values nearest inside ``[min - zp, max - zp]`` of ``dst`` (exact for int8 and uint8)."""
+    lo, hi = RANGE[dst]
+    f_lo, f_hi = np.float32(lo - zp), np.float32(hi - zp)
+    if int(f_lo) < lo - zp:
+        f_lo = np.nextafter(f_lo, np.float32(np.inf))
+    if int(f_hi) > hi - zp:
+        f_hi = np.nextafter(f_hi, np.float32(-np.inf))
+    return float(f_lo), float(f_hi)
+
+
+def conv_compensation(w, geo, dst, c_red: int):
+    """``comp(idx)`` of a convolution reading weights ``w`` (a Source) over ``c_red`` channels
+    per group, for destination layout ``dst``: the stages of the module doc, laid out over
+    ``dst``'s buffer positions along k (and h, w where there is spatial padding; padding
+    positions repeat the nearest logical one), so the epilogue reads them without a guard."""
+    (kh, kw), groups, kg = geo.kernel, geo.groups, geo.k // geo.groups
+    zc = te.reduce_axis((0, c_red), "zc")
+
+    def wsum(k, i, j):
+        w.bounds = {k: (0, geo.k - 1), i: (0, kh - 1), j: (0, kw - 1), zc.var: (0, c_red - 1)}
+        x = w(k, zc, i, j) if groups == 1 else w(k // kg, k % kg, zc, i, j)
+        return te.sum(x.astype("int32"), axis=[zc])
+
+    ws = te.compute((geo.k, kh, kw), wsum, name="zp_wsum")
+    spatial = any(any(p) for p in geo.pad)
+    dims = (1, 2, 3) if spatial else (1,)
+    befores = [dst.paddings[d][0] for d in dims]
+    extents = [dst.padded_shape[d] + sum(dst.paddings[d]) for d in dims]
+    lasts = [geo.k - 1, *(o - 1 for o in geo.out)]
+    zh, zw = te.reduce_axis((0, kh), "zh"), te.reduce_axis((0, kw), "zw")
+
+    def comp(*p):
+        k, *hw = (tirx.min(tirx.max(x - b, 0), n) for x, b, n in zip(p, befores, lasts))
+        if not spatial:
+            return te.sum(ws[k, zh, zw], axis=[zh, zw])
+        inside = []
+        for o, r, size, s, (before, _), d in zip(hw, (zh, zw), (geo.h, geo.w), geo.stride,
+                                                 geo.pad, geo.dilation):
+            i = o * s - before + r * d
+            inside += [i >= 0, i < size]
+        return te.sum(tirx.if_then_else(tirx.all(*inside), ws[k, zh, zw], 0), axis=[zh, zw])
+
+    table = te.compute(tuple(extents), comp, name="zp_comp")
+    return lambda idx: table[tuple(idx[d] + b for d, b in zip(dims, befores))]
+
+
+def matmul_compensation(w, dst, k_red: int):
+    """``comp(idx)`` of a matmul: ``sum_k wei[k, n]`` over ``dst``'s buffer positions along n."""
+    before, after = dst.paddings[1]
+    n, last = dst.padded_shape[1] + before + after, dst.shape[1] - 1
+    zk = te.reduce_axis((0, k_red), "zk")
+
+    def comp(j):
+        col = tirx.min(tirx.max(j - before, 0), last)
+        w.bounds = {j: (0, n - 1), zk.var: (0, k_red - 1)}
+        return te.sum(w(zk, col).astype("int32"), axis=[zk])
+
+    table = te.compute((n,), comp, name="zp_comp")
+    return lambda idx: table[idx[1] + before]
+
+
+def recorded(attrs: dict) -> dict:
+    """The attributes a kernel's manifest entry records: those that differ from their
+    defaults (a kernel without any reads as it did before they existed)."""
+    return {k: v for k, v in attrs.items() if v != QUANT_DEFAULTS[k]}
