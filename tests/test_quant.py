@@ -18,13 +18,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockpad as bp
+from blockpad import manifest as mf
 from blockpad.check.reference import saturate
 from blockpad.codegen.build import make_kernels
 from blockpad.codegen.spec import parse_spec
 from blockpad.errors import SpecError
+from blockpad.runtime.library import Signature
+from blockpad.testing import qemu
 from blockpad.vocabulary import POLICIES
 
-from .conftest import garbage
+from .conftest import asm_functions, garbage, kernel_instructions
 
 RELU = {"kind": "eltwise", "algorithm": "relu"}
 INT_BIAS = {"kind": "bias", "dtype": "int32"}
@@ -140,9 +143,10 @@ def exact(entry, a):
 
 def inputs(kernel, rng, spread=6) -> dict:
     """Full-range integer sources and weights; dyadic scales (2**-spread .. 2**-(spread-3)),
-    float biases in quarters, int32 biases of the accumulator's size."""
+    float biases in quarters, int32 biases of the accumulator's size. ``kernel``: a loaded
+    kernel or its signature."""
     out = {}
-    for name, role, lay, _ in kernel.signature.args:
+    for name, role, lay, _ in getattr(kernel, "signature", kernel).args:
         if role != "in":
             continue
         dt = np.dtype(lay.dtype)
@@ -337,3 +341,40 @@ def test_random_shapes(tmp_path_factory, entry, policy):
     arrays = inputs(kernel, np.random.default_rng(0))
     dst, _ = run(kernel, policy, arrays)
     np.testing.assert_array_equal(dst.to_numpy(), exact(entry, arrays))
+
+
+# ---- aarch64 (sdot) -------------------------------------------------------------------------
+
+DOTPROD = {
+    "conv_sdot": {"op": "conv2d", "dtype": "int8", "shape": [1, 30, 5, 6], "channels": 10,
+                  "kernel": [3, 3], "pad": [1, 1], "src": "nChw4c", "weights": "OIhw4o4i",
+                  "dst": "nChw4c", "src_zero_point": -9, "dst_dtype": "int8",
+                  "dst_zero_point": 4, "dst_scale": 0.5, "post_ops": [INT_BIAS, RELU]},
+    "mm_sdot": {"op": "matmul", "dtype": "int8", "shape": [5, 30], "n": 30, "src": "ab",
+                "weights": "BA4b4a", "dst": "ab", "src_zero_point": 17, "scales": "tensor",
+                "dst_dtype": "uint8", "dst_zero_point": 128, "post_ops": [{"kind": "bias"}]},
+}
+
+
+@pytest.mark.skipif(bool(qemu.missing_tools()), reason="runs aarch64 code under qemu; this "
+                    "machine lacks: " + "; ".join(qemu.missing_tools()))
+def test_neon_dotprod_sdot_tiles_are_exact(tmp_path, rng):
+    """The attributes live in the epilogue and the compensation stages, so ``sdot`` register
+    tiles still take the dot product (s8 x s8: the zero point of an s8 source), under
+    qemu-aarch64, bit for bit."""
+    bp.build(parse_spec({"kernel": [{**e, "name": n} for n, e in DOTPROD.items()]}),
+             "neon-dotprod", tmp_path, log=lambda m: None)
+    funcs = asm_functions(tmp_path)
+    sigs = {k["name"]: Signature(k) for k in mf.read(str(tmp_path))["kernels"]}
+    calls, checks = [], []
+    for name, entry in DOTPROD.items():
+        assert any("sdot" in line for line in kernel_instructions(funcs, name)), name
+        sig = sigs[name]
+        arrays = inputs(sig, rng)
+        args = [bp.Memory.from_numpy(arrays[a], lay) for a, _, lay, _ in sig.args[:-1]]
+        dst = bp.Memory(sig.args[-1][2], garbage(sig.args[-1][2].alloc_len, sig.args[-1][3]))
+        calls.append((name, [*args, dst]))
+        checks.append((entry, arrays, dst))
+    qemu.run_many(tmp_path, calls)
+    for entry, arrays, dst in checks:
+        np.testing.assert_array_equal(dst.to_numpy(), exact(entry, arrays))
