@@ -14,8 +14,10 @@
 ``nearbyint`` rounds half to even (one ``vroundps``); the zero point is added to the rounded
 value (an integer), then the sum saturates to the destination's range; an int32 destination
 saturates at the float32 values nearest inside its range (2**31 - 128 is the largest float32
-below 2**31), as oneDNN's conversion does. A multiply by ``scale`` and a float32 bias may be
-contracted to one FMA by the compiler where the target has it; the order is otherwise exact.
+below 2**31), as oneDNN's conversion does. The order is exact but for one liberty LLVM takes
+where the target has FMA (checked: x86-64-v3 code has ``vfmadd`` there): a float multiply and
+the add that follows it (the scale and a float32 bias, a sum's scale, ``linear``) become one
+fused multiply-add, rounded once instead of twice.
 
 Zero points and padding, oneDNN's semantics (its ``zp_src_pad_comp``): the padding of a
 zero-point-shifted source *is* the zero point, i.e. it contributes 0 to ``acc`` after the
