@@ -133,7 +133,7 @@ def build_key(g: Graph, doc: dict, target) -> str:
         h.update(f"{name} {a.shape} {a.dtype}".encode())
         h.update(a.view(np.uint8).reshape(-1))
     h.update(jit.fingerprint().encode())
-    for f in sorted(Path(rm.__file__).parent.glob("*.py")):
+    for f in sorted(Path(rm.__file__).parent.rglob("*.py")):
         h.update(f.read_bytes())
     return h.hexdigest()
 
@@ -152,7 +152,7 @@ def _up_to_date(out_dir, key) -> bool:
 def _pack(g: Graph, plan) -> dict:
     """Each constant's shape and the constant in every layout the plan reads it in: packed for
     the weights its kernels take blocked, plain where a step reads the constant as it is."""
-    from blockpad.runtime.graph_ops import plain
+    from blockpad.runtime.graph.ops import plain
 
     out = {}
     for cname, buf in plan.weight_bufs:

@@ -29,7 +29,7 @@ from blockpad.layout import Layout, numpy_dtype
 from . import library
 from .cache import KernelCache
 from .graph import Graph
-from .graph_ops import plain
+from .graph.ops import plain
 from .memory import CLEAN, Memory, aligned_empty
 
 FORMAT = 1

@@ -1,6 +1,6 @@
 """Graphs (issue 6): layout propagation, the in-place pass (seed 003), fallback, the padding
 policy across a graph, the run report, weights, sub-memories and threads. Every graph is
-compared with numpy references that do not come from runtime/graph_ops.py (tests/reference.py,
+compared with numpy references that do not come from runtime/graph/ops.py (tests/reference.py,
 or written here).
 
 Kernels come from one JIT cache directory shared by the test modules of a session (first use
@@ -17,14 +17,14 @@ import blockpad as bp
 from blockpad.runtime import counters
 from blockpad.runtime.cache import KernelCache
 from blockpad.runtime.memory import SubMemoryError
-from blockpad.runtime.passes import Node, inplace_pass
+from blockpad.runtime.graph.passes import Node, inplace_pass
 
 from .conftest import run_in_threads
 from .reference import conv_reference, softmax
 
 
 def ref_conv(x, w, bias=None, pad=0):
-    """The convolution from tests/reference.py (independent of runtime/graph_ops.py)."""
+    """The convolution from tests/reference.py (independent of runtime/graph/ops.py)."""
     out = conv_reference(x.astype(np.float64), w.astype(np.float64),
                          {"stride": (1, 1), "pad": (pad, pad), "dilation": (1, 1), "groups": 1})
     return out if bias is None else out + bias.reshape(1, -1, 1, 1)

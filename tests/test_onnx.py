@@ -378,7 +378,7 @@ def test_asymmetric_conv_staged_and_prepadded(tmp_path, policy):
     zero-halo copy (``spatial_pad = "stage"``) and a source whose halo covers the pads; checked
     against the numpy reference."""
     from blockpad.codegen.spec import parse_spec
-    from blockpad.runtime.graph_ops import conv_ref
+    from blockpad.runtime.graph.ops import conv_ref
 
     pad = [[1, 2], [0, 1]]
     common = {"op": "conv2d", "shape": [2, 5, 6, 7], "channels": 6, "kernel": [3, 2],

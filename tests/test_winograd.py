@@ -17,7 +17,7 @@ from blockpad.codegen.build import make_kernels
 from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
 from blockpad.errors import ArgumentError, SpecError
-from blockpad.runtime.graph_ops import conv_ref
+from blockpad.runtime.graph.ops import conv_ref
 from blockpad.testing import qemu
 
 from .conftest import asm_functions, kernel_instructions

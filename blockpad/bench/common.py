@@ -89,10 +89,10 @@ def quiet_thread_pools(threads: int | None = None) -> None:
 def step_times(g, inputs: dict, rounds: int = 5) -> dict:
     """Seconds per run of each step of ``g``'s plan for ``inputs`` (kernels, reorders, the
     policy's zero-pads at binding), averaged over ``rounds`` runs of the plan's calls."""
-    plan = g.plan(**inputs)
+    runner = g.runner(**inputs)
+    plan = runner.plan
     g.run(inputs)
-    exe = plan._acquire()
-    try:
+    with runner.arena() as exe:
         labels = []
         for i, st in enumerate(plan.steps):
             labels += ["(bind)"] * sum(1 for s in plan.bind_at.get(i, ()) for b in s.bufs
@@ -105,8 +105,6 @@ def step_times(g, inputs: dict, rounds: int = 5) -> dict:
                 call()
                 out[label] = out.get(label, 0.0) + (time.perf_counter() - t0) / rounds
         return out
-    finally:
-        plan._release(exe)
 
 
 def table(rows: list[list], header: list[str]) -> str:

@@ -1,6 +1,6 @@
 """Graph passes over a list of ops that name their input and output variables (PaddlePaddle's
 program form, seed 003): the in-place pass lives here; layout propagation and memory planning
-are in ``graph.py``, where they need the kernels.
+are in ``planning.py``, where they need the kernels.
 
 The IR: ``Node(name, op, inputs, outputs, attrs)``; variables are names, and a name may be
 written more than once (a framework's memory-reuse pass does that), so "the same variable" means

@@ -19,7 +19,7 @@ from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
 from blockpad.vocabulary import with_defaults
 
-from .cache import Request
+from ..cache import Request
 
 _PLAIN_ACT = {1: "a", 2: "ab", 3: "abc", 4: "nchw", 5: "ncdhw", 6: "abcdef"}
 _PLAIN_WEIGHTS = {4: "oihw", 5: "goihw"}

@@ -1,0 +1,266 @@
+"""Running a plan: a ``Runner`` holds the arenas of one ``Plan`` (one ``_Execution`` per
+concurrent run, reused run after run), prepares the weights through the graph's
+``WeightCache``, binds each step's memories to its kernel once, and calls the steps in order.
+
+Padding policy: every memory the graph makes follows the graph's policy (its kernels are built
+or picked for it): a buffer is given to its memory (``set_data_handle``) when its producer is
+about to write it, so ``on_handle`` zero-pads there, and ``tracked`` zero-pads only where a
+consumer needs clean padding that its producer did not leave. ``user`` is seed 001's option
+B/C: the graph tells each ``set_data_handle`` whether the buffer is clean (an arena buffer
+whose zeros an earlier run left and nothing overwrote since), the caller says which inputs are
+(``run(..., clean=["x"])``), and the zero-pads that remain go on ``run(..., stream=)``,
+asynchronously.
+
+What a runner reads of its plan is the plan's documented data (``steps``, ``bufs``,
+``outputs``, ``weight_bufs``, ``slots``, ``bind_at``); it never plans."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+import numpy as np
+
+from blockpad.errors import ArgumentError
+from blockpad.layout import numpy_dtype
+
+from .. import counters
+from ..memory import CLEAN, UNKNOWN, Memory, aligned_empty
+from ..padding import zero_pad
+from .kernels import MemoryRuntime, numpy_reorder
+from .ops import GRAPH_OPS
+from .planning import Plan
+from .results import Report, Result, Results
+from .weights import WeightCache
+
+
+class Runner:
+    """A plan and the arenas that run it. ``weights``: the graph's WeightCache; ``cache``: its
+    KernelCache (results read to plain reorder with it); ``ops``: the graph's op count (for
+    the report)."""
+
+    def __init__(self, plan: Plan, weights: WeightCache, cache, ops: int):
+        self.plan = plan
+        self.weights = weights
+        self.cache = cache
+        self.ops = ops
+        self.runtime = MemoryRuntime(plan.policy, cache)
+        self._pool: list = []
+        self._pool_lock = threading.Lock()
+
+    @contextmanager
+    def arena(self):
+        """An ``_Execution`` of the plan to run on, back in the pool afterwards: its ``calls``
+        are the bound steps (after a first run), which a benchmark may time one by one."""
+        with self._pool_lock:
+            exe = self._pool.pop() if self._pool else None
+        if exe is None:
+            exe = _Execution(self.plan, self.runtime, self.weights)
+        try:
+            yield exe
+        finally:
+            with self._pool_lock:
+                self._pool.append(exe)
+
+    def run(self, given, before_cache, plan_seconds=0.0, clean=frozenset(),
+            stream=None) -> Results:
+        plan = self.plan
+        report = Report(plan.policy, plan_seconds=plan_seconds)
+        start = time.perf_counter()
+        with counters.scope() as zp:
+            self.weights.refresh(report)
+            weights = {}
+            for cname, buf in plan.weight_bufs:
+                weights[buf.id] = self.weights.prepare(cname, buf.layout, report)
+            with self.arena() as exe:
+                outs = exe.run(given, weights, report, clean, stream)
+        report.zero_pad_calls = zp.calls
+        report.zero_pad_bytes = zp.bytes
+        report.zero_pad_blocking = zp.blocking_calls
+        report.run_seconds = time.perf_counter() - start
+        report.seconds = plan_seconds + report.run_seconds
+        report.ops = self.ops
+        report.inplace = [s.label for s in plan.steps if s.inplace]
+        report.fused = [f"{a} + {b}" for a, b in plan.fused]
+        report.fallbacks = dict(plan.fallbacks)
+        report.peak_bytes = plan.peak_bytes
+        report.arena_bytes = plan.arena_bytes
+        report.weight_bytes = sum(b.layout.nbytes for _, b in plan.weight_bufs)
+        report.cache = (self.cache.stats() - before_cache).as_dict()
+        lock = threading.Lock()
+        return Results({n: Result(n, m, self.cache, report, lock) for n, m in outs.items()},
+                       report)
+
+
+class _Execution:
+    """One arena of a plan: buffers and memories bound to the kernels, reused run after run
+    (one per concurrent run)."""
+
+    def __init__(self, plan: Plan, runtime: MemoryRuntime, weights: WeightCache):
+        self.plan = plan
+        self.runtime = runtime
+        self.weights = weights
+        self.slots = [aligned_empty(n, np.uint8) for n in plan.slots]
+        self.mems = {}
+        for b in plan.bufs:
+            s = b.storage
+            dt = numpy_dtype(b.layout.dtype)
+            if s.kind == "arena":
+                raw = self.slots[s.slot]
+                buf = raw[:b.layout.nbytes].view(dt)
+            else:   # input / constant / weight / output: given per run; a placeholder now
+                buf = np.zeros(b.layout.alloc_len, dt)
+            self.mems[b.id] = Memory(b.layout, buf, library=runtime)
+        # values sharing a storage (in place) share one Memory, so their state is one state
+        first = {}
+        for b in plan.bufs:
+            key = (b.storage.id, b.layout)
+            if key in first:
+                self.mems[b.id] = self.mems[first[key]]
+            else:
+                first[key] = b.id
+        # the memories of each arena slot: binding one storage overwrites the others' bytes
+        self._slot_mems = {}
+        for b in plan.bufs:
+            if b.storage.kind == "arena" and b.layout.has_padding:
+                self._slot_mems.setdefault(b.storage.slot, set()).add(self.mems[b.id])
+        self.stream = None
+        self.calls = []
+        self._bound = False
+
+    def _bind(self, weights):
+        plan = self.plan
+        calls = []
+        for i, st in enumerate(plan.steps):
+            for s in plan.bind_at.get(i, ()):
+                if s.kind in ("arena", "output"):
+                    for b in s.bufs:
+                        if b.layout.has_padding:
+                            calls.append(self._binder(b))
+            if st.kernel is not None:
+                calls.append(st.kernel.bind(*(self.mems[b.id] for b in st.args)))
+            elif st.kind == "reorder":
+                calls.append(self._np_reorder(self.mems[st.reads[0].id],
+                                              self.mems[st.writes[0].id]))
+            else:
+                calls.append(self._numpy(st))
+        self.calls = calls
+        self._bound = True
+
+    def _binder(self, b):
+        """The policy's work at "memory creation" for the buffer ``b`` its producer is about
+        to write. Under ``user`` the graph says what it knows, as seed 001 asks of a user:
+        ``clean`` when the memory's padding is still the zeros an earlier run left (kernels
+        preserve padding there; binding another storage of the slot makes it unknown), and
+        the zero-pad of one that is not goes on the run's stream, if it has one."""
+        mem = self.mems[b.id]
+        user = self.plan.policy == "user"
+        others = [m for m in self._slot_mems.get(b.storage.slot, ()) if m is not mem] \
+            if b.storage.kind == "arena" else []
+
+        def bind():
+            for m in others:
+                m.state = UNKNOWN
+            mem.set_data_handle(mem.buffer, clean=user and mem.state == CLEAN,
+                                stream=self.stream)
+        return bind
+
+    @staticmethod
+    def _np_reorder(src, dst):
+        def run():
+            dst.wait()
+            numpy_reorder(src, dst)
+        return run
+
+    def _numpy(self, st):
+        info = GRAPH_OPS[st.node.op]
+        ins = [self.mems[b.id] for b in st.reads]
+        outs = [self.mems[b.id] for b in st.writes]
+
+        def run():
+            for m in ins + outs:
+                m.wait()
+            arrays = [_plain_view(m) for m in ins]
+            results = info.reference(st.node, arrays)
+            if len(results) != len(outs):
+                raise ArgumentError(f"{st.label}: returned {len(results)} arrays; expected "
+                                    f"{len(outs)}")
+            for m, r in zip(outs, results):
+                r = np.asarray(r)
+                if r.shape != m.layout.shape:
+                    raise ArgumentError(f"{st.label}: returned shape {r.shape}; expected "
+                                        f"{m.layout.shape}")
+                _plain_view(m)[...] = r
+                m.state = CLEAN
+        return run
+
+    def run(self, given, weights, report, clean=frozenset(), stream=None):
+        plan = self.plan
+        self.stream = stream
+        for b in plan.bufs:
+            s = b.storage
+            mem = self.mems[b.id]
+            if s.kind == "input":
+                value = given[s.value]
+                mem.buffer, mem.state = _input_buffer(value, b.layout)
+                if s.value in clean:
+                    mem.state = CLEAN          # the caller vouches for its padding
+                if mem.state != CLEAN and plan.policy == "user" and stream is not None:
+                    # set_data_handle(buf, clean=False, stream): zeroed on the stream; the
+                    # kernels reading it wait for that (a read-only buffer is copied there)
+                    mem.set_data_handle(mem.buffer, stream=stream)
+                elif mem.state != CLEAN and plan.policy not in ("tracked", "src"):
+                    # the caller's memory has padding of unknown content: the policy's kernels
+                    # trust it clean, so zero it now (a read-only buffer is copied, not written)
+                    zero_pad(mem, blocking=True)
+                    if isinstance(value, Memory) and mem.buffer is value.buffer:
+                        value.state = CLEAN
+            elif s.kind == "constant" and s.last is not None:   # read as it is by a step
+                arr = self.weights.arrays[s.value]
+                mem.buffer, mem.state = np.ascontiguousarray(arr).reshape(-1), CLEAN
+            elif s.kind == "weight":
+                w = weights[b.id]
+                mem.buffer, mem.state = w.buffer, w.state
+            elif s.kind == "output":
+                if b is s.bufs[0]:
+                    fresh = aligned_empty(s.nbytes, np.uint8)
+                mem.buffer = fresh[:b.layout.nbytes].view(numpy_dtype(b.layout.dtype))
+                mem.state = UNKNOWN                 # a new buffer: its padding is anything
+        if not self._bound:
+            self._bind(weights)
+        for call in self.calls:
+            call()
+        for mem in self.mems.values():
+            mem.wait()       # a zero-pad on the stream that no kernel waited for (none expected)
+        report.kernels = sum(1 for s in plan.steps if s.kernel is not None)
+        report.reorders = sum(1 for s in plan.steps if s.kind == "reorder")
+        outs = {}
+        for name, b in plan.outputs.items():
+            mem = self.mems[b.id]
+            # the caller gets its own Memory: the arena's is rebound to a fresh buffer next run;
+            # a result that is a graph input or constant is a copy, never the caller's array
+            buf = mem.buffer
+            if b.storage.kind in ("input", "constant", "weight"):
+                buf = aligned_empty(buf.size, buf.dtype)
+                buf[...] = mem.buffer
+            outs[name] = Memory(mem.layout, buf, mem.state, library=self.runtime)
+        return outs
+
+
+def _input_buffer(value, layout):
+    if isinstance(value, Memory):
+        value.wait()
+        return value.buffer, value.state
+    arr = np.asarray(value)
+    if arr.dtype != numpy_dtype(layout.dtype):
+        raise ArgumentError(f"input: expected dtype {layout.dtype}; got {arr.dtype}")
+    if not arr.flags.c_contiguous or arr.ctypes.data % arr.itemsize:
+        arr = np.ascontiguousarray(arr).copy()
+    return arr.reshape(-1), CLEAN
+
+
+def _plain_view(mem: Memory) -> np.ndarray:
+    lay = mem.layout
+    return mem.buffer[:lay.alloc_len].reshape(lay.shape)
+
