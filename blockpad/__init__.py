@@ -8,8 +8,7 @@ names are imported on first use (``blockpad.lazy``): ``import blockpad`` loads t
 JIT's entry point and the kernel cache, not the graph or the model loader."""
 
 from . import jit as _jit
-from .errors import (ArgumentError, BlockpadError, BuildError, LayoutError, LoadError,
-                     MissingCPUFeatureError, SpecError)
+from .errors import ArgumentError, BlockpadError, BuildError, LayoutError, LoadError, MissingCPUFeatureError, SpecError
 from .lazy import exports
 from .runtime import cache as _cache
 from .version import __version__

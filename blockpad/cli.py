@@ -108,8 +108,8 @@ def _build(args):
         build_model(args.spec, args.target, args.out, force=args.force,
                     tuning_logs=args.tuning_logs)
         return
-    from .codegen.targets import native_target
     from .codegen.build import build
+    from .codegen.targets import native_target
 
     target = native_target() if args.target == "native" else args.target
     build(args.spec, target, args.out, force=args.force, tuning_logs=args.tuning_logs)

@@ -173,10 +173,9 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
                 tuning_logs=None) -> str:
     """Build ``source`` (a ``bp.Graph``, an ONNX path or ModelProto) for ``target`` (a name;
     ``native``: the widest this CPU runs) into ``out_dir``; return ``out_dir``."""
-    from blockpad.codegen.targets import native_target
     from blockpad.codegen.build import build
     from blockpad.codegen.spec import parse_spec
-    from blockpad.codegen.targets import get_target
+    from blockpad.codegen.targets import get_target, native_target
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     start = time.perf_counter()

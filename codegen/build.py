@@ -23,6 +23,7 @@ from .ops import OPS
 from .spec import Spec, as_spec
 from .targets import Target, check_toolchain, get_target
 
+
 @dataclass
 class BuildResult:
     out_dir: str

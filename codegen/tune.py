@@ -30,8 +30,19 @@ from blockpad.errors import BuildError, SpecError
 
 from .spec import as_spec
 from .targets import Target, check_toolchain, get_target
-from .tuning_records import (DB_FILES, INDEX, ONE_VARIANT, ROUNDS, STRIDED, Logs, default_dir,
-                             target_key, variant_time, workload_hash)
+from .tuning_records import (
+    DB_FILES,
+    INDEX,
+    ONE_VARIANT,
+    ROUNDS,
+    STRIDED,
+    Logs,
+    default_dir,
+    target_key,
+    variant_time,
+    workload_hash,
+)
+
 
 @dataclass(frozen=True)
 class Rpc:

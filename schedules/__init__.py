@@ -8,8 +8,19 @@ from __future__ import annotations
 
 import tvm
 
-from . import (arm, cpu_reduction, cuda, cuda_conv, cuda_reduction, data_movement, depthwise,
-               generic, register_tiled, winograd, x86_tensorized)
+from . import (
+    arm,
+    cpu_reduction,
+    cuda,
+    cuda_conv,
+    cuda_reduction,
+    data_movement,
+    depthwise,
+    generic,
+    register_tiled,
+    winograd,
+    x86_tensorized,
+)
 from .elementwise import Elementwise
 from .rule import first_match
 from .vector_math import VectorMath

@@ -152,7 +152,7 @@ def _bf16_intrinsics():
     """While active, the wmma intrinsic group dlight asks for names the bf16 loads and mma
     (fill and store are the fp32 accumulator's, shared with fp16). Entered only inside
     ``cuda.dlight_style``, whose lock keeps other threads' dlight rules out meanwhile."""
-    from tvm.s_tir.tensor_intrin import cuda as intrin   # the ~30-60 s import
+    from tvm.s_tir.tensor_intrin import cuda as intrin  # the ~30-60 s import
 
     _register(intrin)
     fp16_group = intrin.get_wmma_intrin_group

@@ -41,8 +41,7 @@ from tvm import s_tir
 
 from blockpad.vocabulary import ACC, DST
 
-from .cuda import (TENSOR_CORE_MIN, bind_spatial, dlight_style, loop_depth, pow2_above,
-                   predicated_schedule, uses)
+from .cuda import TENSOR_CORE_MIN, bind_spatial, dlight_style, loop_depth, pow2_above, predicated_schedule, uses
 from .generic import root_blocks
 from .halo import staged_source
 from .rule import ScheduleRule

@@ -54,10 +54,9 @@ from tvm import s_tir
 from blockpad.vocabulary import ACC, DST
 
 from .common import divisor_at_most
+from .dot_rewrites import DotShape, lift_conditions, lift_weight_guard, pad_dot, set_predicate, take_predicate
 from .generic import root_blocks, spatial_parallel_vectorize
 from .nest import substitute
-from .dot_rewrites import (DotShape, lift_conditions, lift_weight_guard, pad_dot, set_predicate,
-                           take_predicate)
 from .rule import ScheduleRule
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import blockpad as bp
-from blockpad.codegen.spec import load_spec, parse_spec
 from blockpad import machine
+from blockpad.codegen.spec import load_spec, parse_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {"kernel": [{"op": "reorder", "shape": [1, 20, 3, 3], "src": "nchw", "dst": "nChw16c"}]}

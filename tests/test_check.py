@@ -229,8 +229,8 @@ def test_bounds_reject_a_wrong_result_and_accept_rounding():
 
 
 def test_a_target_this_machine_cannot_run_is_refused_before_building():
-    from blockpad.codegen.targets import get_target
     from blockpad import machine
+    from blockpad.codegen.targets import get_target
 
     if not machine.missing_features(get_target("amx").features):
         pytest.skip("this CPU runs AMX code: nothing to refuse")

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from scipy.special import expit
 
 import blockpad as bp
+from blockpad import machine
 from blockpad.codegen.build import make_kernels
 from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
-from blockpad import machine
 from blockpad.schedules.register_tiled import RegisterTiled
 
 from .conftest import garbage

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 import blockpad as bp
+from blockpad import machine
 from blockpad.codegen.cuda_aot import FATBIN_MAGIC
 from blockpad.codegen.spec import parse_spec
-from blockpad import machine
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None,
                                 reason="nvcc not on PATH: CUDA targets compile with it at build "

@@ -11,14 +11,13 @@ import tvm
 import tvm_ffi
 
 import blockpad as bp
+from blockpad.check.reference import ELTWISE, conv
 from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
+from blockpad.layout import pad_sides
 from blockpad.schedules import RULES
 from blockpad.schedules.depthwise import Depthwise, configs
 from blockpad.schedules.rule import first_match
-
-from blockpad.check.reference import ELTWISE, conv
-from blockpad.layout import pad_sides
 
 from .conftest import garbage
 from .test_conv_matmul import GUARD, _kernels, inputs

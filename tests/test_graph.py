@@ -16,8 +16,8 @@ import pytest
 import blockpad as bp
 from blockpad.runtime import counters
 from blockpad.runtime.cache import KernelCache
-from blockpad.runtime.memory import SubMemoryError
 from blockpad.runtime.graph.passes import Node, inplace_pass
+from blockpad.runtime.memory import SubMemoryError
 
 from .conftest import run_in_threads
 from .reference import conv_reference, softmax

@@ -18,13 +18,12 @@ import pytest
 import scipy.special
 
 import blockpad as bp
-from blockpad.codegen.spec import parse_spec
-from blockpad import machine
+from blockpad import assembly, machine
 from blockpad import manifest as mf
+from blockpad.bench import isa
+from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
 from blockpad.runtime.library import Signature
-from blockpad import assembly
-from blockpad.bench import isa
 from blockpad.testing import qemu
 
 from .conftest import asm_functions, dot_inputs, garbage, kernel_instructions, random_array

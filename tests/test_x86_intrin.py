@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
+from tvm import te
+
 from blockpad import machine
 from blockpad.schedules import x86_intrin as xi
-from tvm import te
 
 M, N, K = 32, 48, 128
 

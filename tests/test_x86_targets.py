@@ -15,15 +15,14 @@ import sys
 
 import numpy as np
 import pytest
+
+import blockpad as bp
+from blockpad import assembly, machine
+from blockpad.bench import isa
 from blockpad.codegen.build import make_kernels
 from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
-from blockpad import machine
 from blockpad.runtime.library import Signature
-
-import blockpad as bp
-from blockpad import assembly
-from blockpad.bench import isa
 
 from .conftest import asm_functions, dot_inputs, kernel_instructions
 from .reference import dot_reference

@@ -150,8 +150,7 @@ def quantize(model, fmt="qdq", samples=4, seed=0):
     random inputs drawn from ``seed``: ``fmt`` ``"qdq"`` or ``"qoperator"`` (see the module
     docstring). Returns the quantized ModelProto."""
     import onnx
-    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
-                                          quantize_static)
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     if fmt not in FORMATS:
         raise BlockpadError(f"quantize: fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")

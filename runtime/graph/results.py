@@ -13,6 +13,7 @@ from ..memory import Memory, aligned_empty
 from .kernels import reorder
 from .ops import plain
 
+
 @dataclass
 class Report:
     policy: str
