@@ -52,12 +52,12 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
     p.add_argument("what", choices=["reorder", "ops", "resnet", "isa", "conv", "matmul", "model",
-                                             "calls"])
+                                             "calls", "conv-int8"])
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
     p.add_argument("--target", default=None,
-                   help="target of blockpad's kernels (ops, resnet; default: the widest "
+                   help="target of blockpad's kernels (ops, resnet, conv-int8; default: the widest "
                    "this CPU runs)")
     p.add_argument("--model", default="resnet50", help="bench model: the network (resnet18, "
                    "resnet50, resnet50_pruned, mobilenet_v2, efficientnet_b0, densenet121)")
@@ -183,6 +183,12 @@ def _bench(args):
         from .bench import conv
 
         conv.main(args.what, repeat=args.repeat, threads=args.threads, quick=args.quick)
+        return
+    if args.what == "conv-int8":   # int8 against fp32 on the same layers
+        from .bench import conv_int8
+
+        conv_int8.main(repeat=args.repeat, threads=args.threads, quick=args.quick,
+                       target=args.target)
         return
     if args.what == "isa":   # instruction mix per target, from the assembly (no hardware)
         from .bench import isa

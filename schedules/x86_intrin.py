@@ -3,6 +3,9 @@
 * ``vnni_16x4``: ``C[16] i32 += A[4] u8 . B[16, 4] i8`` with ``vpdpbusd`` (TVM's own fails LLVM
   22 verification: the intrinsic's operand types changed), and ``vnni_s8s8_16x4``, the same
   for s8 sources (blockpad's int8 ops take s8 x s8), exact through a shift and a compensation;
+* ``maddubs_8x4`` / ``maddubs_16x4`` (and ``_s8s8_``): the same dot product on CPUs without
+  VNNI, ``vpmaddubsw`` + ``vpmaddwd`` on ymm (AVX2) or zmm (AVX-512BW), exact for every input
+  (the source byte split so that no int16 pair sum saturates);
 * every buffer aligned to its element only: blockpad's kernel parameters promise no more;
 * ``amx_u8s8s32_16x16x64`` / ``amx_s8s8s32_16x16x64`` / ``amx_bf16f32_16x16x32``: one AMX
   tile multiply (``tdpbusd``, ``tdpbssd``, ``tdpbf16ps``), or ``n`` of them along the reduction
@@ -32,6 +35,12 @@ from tvm.script import tirx as T
 
 from .dot_intrin import dot_desc
 
+# a byte in each of the 4 bytes of an int32 (a broadcast dword of source bytes)
+_BYTE_0X80 = -2139062144   # 0x80808080: + 128 in each byte (u8 from s8)
+_BYTE_0X7F = 0x7F7F7F7F
+_BYTE_0X40 = 0x40404040
+_BYTE_0X01 = 0x01010101
+
 # ---- VNNI ----------------------------------------------------------------------------------
 
 
@@ -42,7 +51,7 @@ def _vnni_impl(src):
     so LLVM computes it once for all the rows of a register tile that share them. Exact in
     int32: each 4-product sum fits, and the sums wrap modulo 2**32 as numpy's int32 sums do."""
     signed = src == "int8"
-    flip = -2139062144   # 0x80808080: + 128 in each byte
+    flip = _BYTE_0X80
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
@@ -72,6 +81,69 @@ def _vnni_impl(src):
                     T.reinterpret(T.broadcast(T.reinterpret(A.vload([0], "uint8x4"),
                                                             dtype="int32"), 16), dtype="uint8x64"),
                     B.vload([0, 0], dtype="int8x64"), dtype="int32x16")
+    return impl
+
+
+# ---- AVX2 / AVX-512BW without VNNI: vpmaddubsw + vpmaddwd ----------------------------------
+# ``vpmaddubsw`` multiplies u8 x s8 byte pairs and adds each pair into a SATURATED s16; one
+# ``vpmaddwd`` by ones then adds the two words of each dword into int32 (oneDNN's AVX2 int8
+# kernels). 2 * 255 * -128 = -65280 does not fit an s16, so the pair sum saturates on large
+# sources and weights. oneDNN shifts an s8 source to u8 (+128, compensated) and halves the s8
+# weights in its reorder (``wei_adj_scale = 0.5``, the output scale doubled): the weights lose
+# their lowest bit, and a u8 source by full-range weights can still saturate. blockpad stays
+# exact instead, for every u8/s8 source and s8 weight: the source byte u (s8 shifted to u8) is
+# split u = 2 h + l, h = u >> 1 in [0, 127], l = u & 1. A pair of h x w is at most 2 * 127 *
+# 128 = 32512 and a pair of l x w at most 256 in magnitude, so neither ``vpmaddubsw`` can
+# saturate, and ``vpmaddwd`` by 2 and by 1 joins them in int32: 2 (h . w) + l . w = u . w.
+# The split costs a second vpmaddubsw + vpmaddwd per row and column vector; the halves of the
+# broadcast source are computed once per row (the two scalar ops on its dword).
+
+_MADD = {8: ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"),
+         16: ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512")}
+
+
+def _maddubs_impl(lanes, src):
+    """``C[lanes] i32 += A[4] . B[lanes, 4] i8`` with the source split in halves (above). An s8
+    source is shifted to u8 (``a ^ 0x80``) and compensated: a . b = 2 (h . b - 64 sum(b)) +
+    l . b, the 64 sum(b) pairs one more ``vpmaddubsw`` of a broadcast 64, subtracted in s16
+    (``vpsubw``) before the ``vpmaddwd`` by 2: the difference is (h - 64) . b with h - 64 in
+    [-64, 63], at most 2 * 64 * 128 = 16384 a pair, so the wrapping s16 subtraction is exact.
+    The broadcast 64's product depends on the weights only: LLVM computes it once for the rows
+    of a tile that no predicate separates."""
+    ub_sw, wd = _MADD[lanes]
+    signed = src == "int8"
+    bytes_, words, dwords = f"int8x{4 * lanes}", f"int16x{2 * lanes}", f"int32x{lanes}"
+    quad = f"{src}x4"
+
+    def ubsw(word, weights):   # vpmaddubsw(broadcast word, weights)
+        return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(ub_sw),
+                                       T.reinterpret(T.broadcast(word, lanes), dtype=bytes_),
+                                       weights, dtype=words)
+
+    def madd(pairs, by):   # vpmaddwd(pairs, broadcast by)
+        return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(wd), pairs,
+                                       T.broadcast(T.int16(by), 2 * lanes), dtype=dwords)
+
+    def dot(word, weights):   # word: the 4 source bytes as an int32
+        if not signed:
+            return madd(ubsw(T.bitwise_and(T.shift_right(word, 1), T.int32(_BYTE_0X7F)), weights), 2) \
+                + madd(ubsw(T.bitwise_and(word, T.int32(_BYTE_0X01)), weights), 1)
+        u = T.bitwise_xor(word, T.int32(_BYTE_0X80))
+        return madd(ubsw(T.bitwise_and(T.shift_right(u, 1), T.int32(_BYTE_0X7F)), weights)
+                    - ubsw(T.int32(_BYTE_0X40), weights), 2) \
+            + madd(ubsw(T.bitwise_and(u, T.int32(_BYTE_0X01)), weights), 1)
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
+        B = T.match_buffer(b, (lanes, 4), "int8", offset_factor=1, align=1)
+        C = T.match_buffer(c, (lanes,), "int32", offset_factor=1, align=1)
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
+            # no named temporaries: TVM 0.27 gives each one a memory slot of its own
+            C[T.ramp(T.int32(0), 1, lanes)] = C.vload([0], dtype=dwords) + dot(
+                T.reinterpret(A.vload([0], quad), dtype="int32"), B.vload([0, 0], dtype=bytes_))
     return impl
 
 
@@ -221,6 +293,48 @@ def _vnni_twin(src):
     return twin
 
 
+def _maddubs_twin(lanes, src):
+    """What ``_maddubs_impl``'s instructions compute, from Intel's pseudo-code: ``vpmaddubsw``
+    word k of lane i is SaturateToSignedWord(u8 x[2k] * s8 y[i, 2k] + u8 x[2k + 1] * s8
+    y[i, 2k + 1]); ``vpsubw`` subtracts words modulo 2**16; ``vpmaddwd`` by m adds m * word 0 +
+    m * word 1 into int32. x is the high half h of the source byte u (by 2) and its low bit l
+    (by 1), u = a, or a + 128 for an s8 source, whose high words lose the broadcast 64's. The
+    saturation and the wrap-around are written out: neither binds on these halves; both would
+    on u itself."""
+    signed = src == "int8"
+
+    def u(x):
+        return T.Cast("int32", x) + (128 if signed else 0)
+
+    def sat16(x):
+        return T.max(T.min(x, 32767), -32768)
+
+    def wrap16(x):
+        return T.bitwise_and(x + 32768, 0xFFFF) - 32768
+
+    def word(half, B, i, k):   # vpmaddubsw's word k of lane i
+        return sat16(half(2 * k) * T.Cast("int32", B[i, 2 * k])
+                     + half(2 * k + 1) * T.Cast("int32", B[i, 2 * k + 1]))
+
+    def high(A, B, i, k):
+        h = word(lambda e: T.shift_right(u(A[e]), 1), B, i, k)
+        return wrap16(h - word(lambda e: 64, B, i, k)) if signed else h
+
+    @T.prim_func(s_tir=True)
+    def twin(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
+        B = T.match_buffer(b, (lanes, 4), "int8", offset_factor=1, align=1)
+        C = T.match_buffer(c, (lanes,), "int32", offset_factor=1, align=1)
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
+            for i in range(lanes):
+                C[i] = C[i] + 2 * (high(A, B, i, 0) + high(A, B, i, 1)) \
+                    + word(lambda e: T.bitwise_and(u(A[e]), 1), B, i, 0) \
+                    + word(lambda e: T.bitwise_and(u(A[e]), 1), B, i, 1)
+    return twin
+
+
 def _amx_twin(src, tiles=1):
     """``tiles`` x ``tdpbusd`` / ``tdpbssd`` / ``tdpbf16ps tmm0, tmm1, tmm2`` under the tile
     configuration: for each of C's rows m and dwords n and each dword k of A's row (B's row k),
@@ -275,9 +389,17 @@ AMX_S8 = "blockpad_amx_s8s8s32_16x16x64"
 AMX_BF16 = "blockpad_amx_bf16f32_16x16x32"  # bf16 as uint16 storage
 AMX_ZERO_I32 = "blockpad_amx_cfg_zero_i32"
 AMX_ZERO_F32 = "blockpad_amx_cfg_zero_f32"
+MADDUBS = "blockpad_maddubs_8x4"            # u8 x s8, ymm (AVX2)
+MADDUBS_S8 = "blockpad_maddubs_s8s8_8x4"    # s8 x s8, shifted to u8 and compensated
+MADDUBS_16 = "blockpad_maddubs_16x4"        # zmm (AVX-512BW)
+MADDUBS_S8_16 = "blockpad_maddubs_s8s8_16x4"
 _vnni_desc = functools.partial(dot_desc, 16)   # vpdpbusd: 16 int32 lanes
 _MAKERS = {VNNI: (_vnni_desc, _vnni_impl, _vnni_twin, "uint8"),
            VNNI_S8: (_vnni_desc, _vnni_impl, _vnni_twin, "int8"),
+           **{name_: (functools.partial(dot_desc, lanes), functools.partial(_maddubs_impl, lanes),
+                      functools.partial(_maddubs_twin, lanes), src)
+              for name_, lanes, src in ((MADDUBS, 8, "uint8"), (MADDUBS_S8, 8, "int8"),
+                                        (MADDUBS_16, 16, "uint8"), (MADDUBS_S8_16, 16, "int8"))},
            AMX_INT8: (_amx_desc, _amx_impl, _amx_twin, "uint8"),
            AMX_S8: (_amx_desc, _amx_impl, _amx_twin, "int8"),
            AMX_BF16: (_amx_desc, _amx_impl, _amx_twin, "uint16"),

@@ -1,4 +1,5 @@
-"""x86 convolution and matmul on the dot-product units: ``vpdpbusd`` (AVX-512 VNNI) and AMX tiles.
+"""x86 convolution and matmul on the dot-product units: ``vpdpbusd`` (AVX-512 VNNI), AMX tiles,
+and ``vpmaddubsw`` + ``vpmaddwd`` where there is no VNNI (AVX2, AVX-512BW).
 
 The rules read the ``acc`` / ``dst`` nest that ``codegen.ops.common.materialize`` gives both
 ops, through ``dot_rewrites.DotShape`` (schedules/dot_rewrites.py, shared with Arm's ``sdot``): ``j``
@@ -17,6 +18,11 @@ sources go through ``x86_intrin.VNNI_S8`` (shift by 128, compensated: exact). Sp
 partial tiles, masked weights and sizes that are not multiples of 16 (or of 4 along the
 reduction) are handled as ``dot_tiled`` says.
 
+``Maddubs`` (x86 without VNNI: ``avx2``, 8 ymm lanes; ``avx512bw``, 16 zmm lanes): the same
+``DotTiled`` tiling, each step ``vpmaddubsw`` + ``vpmaddwd`` per row and column vector with the
+source byte split in halves so that no int16 pair sum saturates (``x86_intrin``): exact, at
+twice the multiplies of oneDNN's single ``vpmaddubsw`` (which is exact only for 7-bit weights).
+
 ``Amx`` (targets with ``amx_tile``): 16 x 16 output tiles, 64 int8 (``tdpbusd`` / ``tdpbssd``)
 or 32 bf16 (``tdpbf16ps``) reduction steps per tile multiply. All of loop ``r`` is one
 intrinsic (``x86_intrin.amx_multiply``): the accumulator tile is loaded from its per-tile
@@ -33,7 +39,8 @@ multiples of 16, are left to the next rule.
 
 A rule returns None for what it does not take (another dtype, dims that are not multiples of
 the tile, a predicated or guarded nest it cannot tensorize), and the next rule in the table
-tries: ``Amx`` falls back to ``Vnni``, which falls back to ``register_tiled.RegisterTiled``.
+tries: ``Amx`` falls back to ``Vnni``, then ``Maddubs`` (zmm, then ymm), then
+``register_tiled.RegisterTiled``.
 
 ``reference=True`` builds the same schedule with the plain-loop twins of the intrinsics, so
 that the algorithm runs, and is checked against numpy, on a CPU without the instructions.
@@ -50,6 +57,8 @@ from .rule import ScheduleRule
 
 VNNI_TILE = 15   # vectors in a register tile; 16 x 16 int32 would be 1 KiB, which TVM puts on
                  # the heap
+MADDUBS_TILE = 8  # ymm accumulators: AVX2 has 16 ymm, and each step also holds the weight
+                  # vectors, both halves of the broadcast source and the constants 1 and 2
 
 
 class Vnni(DotTiled):
@@ -63,6 +72,28 @@ class Vnni(DotTiled):
     def intrin(self, nest):
         kinds = {("uint8", "int8", "int32"): xi.VNNI, ("int8", "int8", "int32"): xi.VNNI_S8}
         kind = kinds.get((nest.src_dtype, nest.wei_dtype, nest.acc_dtype))
+        return None if kind is None else xi.name(kind, self.reference)
+
+
+class Maddubs(DotTiled):
+    """int8 (s8 or u8 x s8 -> s32) convolution and matmul on CPUs without VNNI:
+    ``vpmaddubsw`` + ``vpmaddwd`` (oneDNN's AVX2 int8 sequence), exact for every input
+    (``x86_intrin``: the source byte split in halves so that no s16 pair sum saturates). 8
+    lanes of ymm on AVX2, 16 of zmm with AVX-512BW; weights ``...16o4i`` (or ``...8o4i`` for
+    ymm), so that ``lanes`` outputs x 4 reduction steps are one register."""
+
+    TILES: ClassVar[dict] = {8: MADDUBS_TILE, 16: VNNI_TILE}
+    INTRINS: ClassVar[dict] = {
+        8: {("uint8", "int8", "int32"): xi.MADDUBS, ("int8", "int8", "int32"): xi.MADDUBS_S8},
+        16: {("uint8", "int8", "int32"): xi.MADDUBS_16,
+             ("int8", "int8", "int32"): xi.MADDUBS_S8_16}}
+
+    def __init__(self, lanes: int, reference: bool = False):
+        self.lanes, self.tile, self.reference = lanes, self.TILES[lanes], reference
+        self.feature = "avx512bw" if lanes == 16 else "avx2"
+
+    def intrin(self, nest):
+        kind = self.INTRINS[self.lanes].get((nest.src_dtype, nest.wei_dtype, nest.acc_dtype))
         return None if kind is None else xi.name(kind, self.reference)
 
 
@@ -115,4 +146,4 @@ def _contiguous_steps(nest) -> int:
     return block if nest.extents[nest.r] % block == 0 else 0   # 0: no whole blocks, declined
 
 
-RULES = [Amx(), Vnni()]
+RULES = [Amx(), Vnni(), Maddubs(16), Maddubs(8)]

@@ -16,29 +16,36 @@ from blockpad.schedules import x86_intrin as xi
 M, N, K = 32, 48, 128
 
 
-def _int8_matmul(intrin_k, src="uint8"):
-    """u8 or s8 X[M, K] x s8 W packed [N/16][K/k][16][k] -> s32 Y[M, N] (the VNNI packing)."""
+def _int8_matmul(intrin_k, src="uint8", lanes=16):
+    """u8 or s8 X[M, K] x s8 W packed [N/lanes][K/k][lanes][k] -> s32 Y[M, N] (the VNNI
+    packing for 16 lanes)."""
     x = te.placeholder((M, K), src, name="X")
-    w = te.placeholder((N // 16, K // intrin_k, 16, intrin_k), "int8", name="W")
+    w = te.placeholder((N // lanes, K // intrin_k, lanes, intrin_k), "int8", name="W")
     k = te.reduce_axis((0, K), "k")
     y = te.compute((M, N), lambda i, j: te.sum(
-        x[i, k].astype("int32") * w[j // 16, k // intrin_k, j % 16, k % intrin_k].astype("int32"),
-        axis=k), name="Y")
+        x[i, k].astype("int32")
+        * w[j // lanes, k // intrin_k, j % lanes, k % intrin_k].astype("int32"), axis=k),
+        name="Y")
     return te.create_prim_func([x, w, y])
 
 
-def _vnni_schedule(reference, src="uint8"):
-    sch = tvm.s_tir.Schedule(_int8_matmul(4, src))
+def _dot_schedule(intrin, reference, src="uint8", lanes=16):
+    """The matmul with each step of ``lanes`` columns x 4 reduction steps one ``intrin``."""
+    sch = tvm.s_tir.Schedule(_int8_matmul(4, src, lanes))
     blk = sch.get_sblock("Y")
     i, j, k = sch.get_loops(blk)
-    jo, ji = sch.split(j, [None, 16])
+    jo, ji = sch.split(j, [None, lanes])
     ko, ki = sch.split(k, [None, 4])
     sch.reorder(i, jo, ko, ji, ki)
     sch.parallel(sch.fuse(i, jo))
     init = sch.decompose_reduction(blk, ko)
     sch.vectorize(sch.get_loops(init)[-1])
-    sch.tensorize(ji, xi.name(xi.VNNI if src == "uint8" else xi.VNNI_S8, reference))
+    sch.tensorize(ji, xi.name(intrin, reference))
     return sch.mod
+
+
+def _vnni_schedule(reference, src="uint8"):
+    return _dot_schedule(xi.VNNI if src == "uint8" else xi.VNNI_S8, reference, src)
 
 
 def _amx_schedule(dtype, reference):
@@ -91,7 +98,7 @@ def _data(rng, step, packing, src="uint8"):
     return x, packing(w), want
 
 
-VNNI_PACK = lambda w: w.reshape(N // 16, 16, K // 4, 4).transpose(0, 2, 1, 3).copy()
+VNNI_PACK = lambda w, lanes=16: w.reshape(N // lanes, lanes, K // 4, 4).transpose(0, 2, 1, 3).copy()
 AMX_PACK = lambda w: w.T.reshape(K // 4, 4, N).transpose(0, 2, 1).copy()
 
 
@@ -110,11 +117,13 @@ def test_the_twins_are_the_instructions_arithmetic_not_the_description():
     +128 shift and its compensation, the AMX ones loop over the tile configuration."""
     from tvm.s_tir import TensorIntrin
 
-    for base in (xi.VNNI_S8, xi.AMX_S8, xi.AMX_BF16, xi.AMX_ZERO_F32):
+    for base in (xi.VNNI_S8, xi.MADDUBS_S8, xi.AMX_S8, xi.AMX_BF16, xi.AMX_ZERO_F32):
         ref = TensorIntrin.get(xi.name(base, True))
         assert not tvm_ffi.structural_equal(ref.desc, ref.impl), base
     s8 = TensorIntrin.get(xi.name(xi.VNNI_S8, True)).impl.script()
     assert "128" in s8 and "vpdpbusd" not in s8
+    s8 = TensorIntrin.get(xi.name(xi.MADDUBS_S8, True)).impl.script()
+    assert "32767" in s8 and "pmadd" not in s8   # vpmaddubsw's saturation, written out
 
 
 def test_a_corrupted_operand_is_caught(rng):
@@ -182,3 +191,166 @@ def test_amx_compiles_to_tile_instructions(dtype, instr):
     asm = lib.mod.inspect_source("asm")
     for needed in (instr, "tileloadd", "tilestored", "ldtilecfg", "tilezero"):
         assert needed in asm, needed
+
+
+# ---- vpmaddubsw + vpmaddwd: int8 without VNNI ------------------------------------------------
+# The numpy twins below are Intel's pseudo-code in plain loops, saturation and wrap-around
+# included; they are checked against the instructions on this CPU (AVX2), then used to show
+# that one vpmaddubsw saturates where the split of x86_intrin._maddubs_impl stays exact.
+
+HAVE_AVX2 = "avx2" in machine.cpu_features()
+HOST = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v3"}
+MADDUBS = {("uint8", 8): xi.MADDUBS, ("int8", 8): xi.MADDUBS_S8,
+           ("uint8", 16): xi.MADDUBS_16, ("int8", 16): xi.MADDUBS_S8_16}
+
+
+def vpmaddubsw(a, b):
+    """Word i: SaturateToSignedWord(ZeroExtend(a[2i]) * SignExtend(b[2i]) + ZeroExtend(a[2i+1])
+    * SignExtend(b[2i+1]))."""
+    out = np.empty(len(a) // 2, np.int16)
+    for i in range(len(out)):
+        v = int(np.uint8(a[2 * i])) * int(b[2 * i]) + int(np.uint8(a[2 * i + 1])) * int(b[2 * i + 1])
+        out[i] = min(max(v, -32768), 32767)
+    return out
+
+
+def vpmaddwd(a, b):
+    """Dword i: a[2i] * b[2i] + a[2i+1] * b[2i+1] of signed words, modulo 2**32 (only two
+    -32768 * -32768 products reach it)."""
+    out = np.empty(len(a) // 2, np.int32)
+    for i in range(len(out)):
+        v = int(a[2 * i]) * int(b[2 * i]) + int(a[2 * i + 1]) * int(b[2 * i + 1])
+        out[i] = (v + 2**31) % 2**32 - 2**31
+    return out
+
+
+def vpsubw(a, b):
+    return ((a.astype(np.int64) - b + 2**15) % 2**16 - 2**15).astype(np.int16)
+
+
+def maddubs_step(a, w, src):
+    """What one ``_maddubs_impl`` step adds to C[lanes], instruction by instruction: the 4
+    source bytes a (s8 shifted to u8) split into h = u >> 1 and l = u & 1, broadcast to every
+    lane; w[lanes, 4] the weight register."""
+    lanes = w.shape[0]
+    u = a.astype(np.int64) + (128 if src == "int8" else 0)
+    wb = w.reshape(-1)
+
+    def bcast(q):
+        return np.tile(np.asarray(q, np.int64), lanes).astype(np.uint8)
+
+    def const(v):
+        return np.full(2 * lanes, v, np.int16)
+
+    high = vpmaddubsw(bcast(u >> 1), wb)
+    if src == "int8":
+        high = vpsubw(high, vpmaddubsw(bcast([64] * 4), wb))
+    return vpmaddwd(high, const(2)) + vpmaddwd(vpmaddubsw(bcast(u & 1), wb), const(1))
+
+
+def _edges(src):
+    return {"uint8": [0, 1, 127, 128, 254, 255], "int8": [-128, -127, -1, 0, 1, 127]}[src]
+
+
+W_EDGES = [-128, -127, -65, -64, -1, 0, 1, 63, 64, 65, 127]
+
+
+def test_numpy_twins_are_what_the_instructions_compute():
+    """vpmaddubsw and vpmaddwd on this CPU against the numpy twins, on every pair of edge
+    bytes and words (saturating pairs included) and on random registers."""
+    if not HAVE_AVX2:
+        pytest.skip("this CPU has no AVX2: vpmaddubsw cannot execute here")
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def instr(a: T.Buffer((64, 32), "uint8"), b: T.Buffer((64, 32), "int8"),
+              w: T.Buffer((64, 16), "int16"), v: T.Buffer((64, 16), "int16"),
+              x: T.Buffer((64, 16), "int16"), y: T.Buffer((64, 8), "int32")):
+        for r in range(64):
+            x[r, T.ramp(0, 1, 16)] = T.call_llvm_pure_intrin(
+                "int16x16", "llvm.x86.avx2.pmadd.ub.sw", a.vload([r, 0], dtype="uint8x32"),
+                b.vload([r, 0], dtype="int8x32"))
+            y[r, T.ramp(0, 1, 8)] = T.call_llvm_pure_intrin(
+                "int32x8", "llvm.x86.avx2.pmadd.wd", w.vload([r, 0], dtype="int16x16"),
+                v.vload([r, 0], dtype="int16x16"))
+
+    rng = np.random.default_rng(7)
+    a = rng.integers(0, 256, (64, 32)).astype(np.uint8)
+    b = rng.integers(-128, 128, (64, 32)).astype(np.int8)
+    edges = [(u0, u1, w0, w1) for u0 in (0, 1, 128, 255) for u1 in (0, 127, 255)
+             for w0 in (-128, -1, 0, 127) for w1 in (-128, 64, 127)]
+    a.reshape(-1, 2)[:len(edges)] = [e[:2] for e in edges]
+    b.reshape(-1, 2)[:len(edges)] = [e[2:] for e in edges]
+    words = rng.integers(-32768, 32768, (2, 64, 16)).astype(np.int16)
+    words[:, 0, :4] = [[-32768, -32768, 32767, -32768], [-32768, -32768, 32767, 32767]]
+    lib = tvm.compile(tvm.IRModule({"main": instr}), target=tvm.target.Target(HOST))
+    x, y = np.zeros((64, 16), np.int16), np.zeros((64, 8), np.int32)
+    args = [tvm.runtime.tensor(t) for t in (a, b, *words, x, y)]
+    lib["main"](*args)
+    x, y = args[-2].numpy(), args[-1].numpy()
+    for r in range(64):
+        assert np.array_equal(x[r], vpmaddubsw(a[r], b[r])), r
+        assert np.array_equal(y[r], vpmaddwd(words[0, r], words[1, r])), r
+    assert x.min() == -32768 and x.max() == 32767   # the edges saturated both ways
+    assert y[0, 0] == -2**31   # -32768 * -32768 * 2 wraps
+
+
+@pytest.mark.parametrize("src", ["uint8", "int8"])
+def test_one_vpmaddubsw_saturates_and_the_split_is_exact(src):
+    """Every combination of edge source bytes and edge weights in a step: the split gives
+    numpy's int32 dot product; one vpmaddubsw of the (shifted) source, as oneDNN's kernels
+    issue it, does not where a pair passes 32767 (255 * 127 * 2 = 64770)."""
+    e = _edges(src)
+    shift = 128 if src == "int8" else 0
+    saturated = 0
+    for a0 in e:
+        for a1 in e:
+            a = np.array([a0, a1, a1, a0], src)
+            w = np.array([[w0, w1, w1, w0] for w0 in W_EDGES for w1 in W_EDGES[:8]], np.int8)
+            want = w.astype(np.int64) @ a.astype(np.int64)
+            assert np.array_equal(maddubs_step(a, w, src), want), (a0, a1)
+            u = np.tile((a.astype(np.int64) + shift).astype(np.uint8), len(w))
+            naive = vpmaddwd(vpmaddubsw(u, w.reshape(-1)), np.ones(2 * len(w), np.int16)) \
+                - shift * w.astype(np.int64).sum(axis=1)
+            saturated += int((naive != want).sum())
+    assert saturated > 0
+    # 255 x 127 twice: 64770 exact, 32767 by one vpmaddubsw
+    a = np.array([255, 255, 0, 0] if src == "uint8" else [127, 127, -128, -128], src)
+    w = np.full((8, 4), 127, np.int8)
+    assert maddubs_step(a, w, src)[0] == int(a.astype(np.int64).sum()) * 127
+
+
+@pytest.mark.parametrize("src", ["uint8", "int8"])
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("reference", [True, False], ids=["twin", "instructions"])
+def test_maddubs_matmul_equals_numpy(rng, src, lanes, reference):
+    """A matmul, each step one intrinsic, over full-range operands with the extremes in its
+    first row: the plain-loop TIR twin anywhere, the instructions where this CPU has them
+    (ymm: AVX2; zmm: AVX-512BW)."""
+    if not reference and not {8: HAVE_AVX2, 16: "avx512bw" in machine.cpu_features()}[lanes]:
+        pytest.skip(f"this CPU has no {'AVX2' if lanes == 8 else 'AVX-512BW'}: the "
+                    f"{lanes}-lane vpmaddubsw cannot execute here")
+    x, wp, want = _data(rng, 4, lambda w: VNNI_PACK(w, lanes), src)
+    x[1, :4] = np.iinfo(src).max
+    want = x.astype(np.int32) @ _unpack(wp, lanes).astype(np.int32).T
+    mcpu = "x86-64-v3" if lanes == 8 or reference else "skylake-avx512"
+    got = _run(_dot_schedule(MADDUBS[src, lanes], reference, src, lanes),
+               {**HOST, "mcpu": mcpu}, x, wp, np.zeros((M, N), "int32"))
+    assert np.array_equal(got, want)
+
+
+def _unpack(wp, lanes):
+    return wp.transpose(0, 2, 1, 3).reshape(N, K)
+
+
+@pytest.mark.parametrize("lanes, mcpu, reg", [(8, "x86-64-v3", "ymm"),
+                                              (16, "skylake-avx512", "zmm")])
+def test_maddubs_compiles_to_vpmaddubsw_and_vpmaddwd(lanes, mcpu, reg):
+    for src in ("uint8", "int8"):
+        lib = tvm.compile(_dot_schedule(MADDUBS[src, lanes], False, src, lanes),
+                          target=tvm.target.Target({**HOST, "mcpu": mcpu}))
+        ops = [l.split() for l in lib.mod.inspect_source("asm").splitlines() if l.split()]
+        for needed in ("vpmaddubsw", "vpmaddwd"):
+            found = [o for o in ops if o[0] == needed]
+            assert found and all(reg in " ".join(o) for o in found), (src, needed)
+        assert not any(o[0] in ("vpmulld", "vpmovsxbd", "vpdpbusd") for o in ops), src

@@ -23,6 +23,7 @@ from blockpad.codegen.build import make_kernels
 from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
 from blockpad.runtime.library import Signature
+from blockpad.vocabulary import POLICIES
 
 from .conftest import asm_functions, dot_inputs, kernel_instructions
 from .reference import dot_reference
@@ -168,7 +169,7 @@ def test_vnni_int8_kernels_are_tensorized_to_vpdpbusd(vnni_dir):
         code = kernel_instructions(funcs, name)
         dots = [l for l in code if l.split() and l.split()[0] == "vpdpbusd"]
         assert dots and all("zmm" in l for l in dots), f"{name}: no zmm vpdpbusd"
-        # no widening multiply-add chain: the dot product is the instruction itself
+        # VNNI keeps its instruction: not the vpmaddubsw + vpmaddwd sequence of CPUs without it
         assert not _has(code, "vpmaddubsw"), name
     # 6 rows x 32 columns is one register tile of 6 x 2 vectors: each broadcast source
     # dword feeds two vpdpbusd
@@ -244,6 +245,113 @@ def test_vnni_schedule_is_exact_on_any_cpu_with_the_reference_twin(spec, rng):
     args = dot_inputs(sig, rng)
     run(args)
     _check(spec["name"], sig, args, exact=True)
+
+
+# ---- host: AVX2 without VNNI ----------------------------------------------------------------
+# int8 on vpmaddubsw + vpmaddwd (schedules.x86_intrin: the source split so that nothing
+# saturates): the VNNI spec's awkward cases, an nChw8c convolution on 8o4i weights (one ymm of
+# weights a step), every padding policy
+
+HOST_CONV = {"op": "conv2d", "dtype": "int8", "shape": [2, 20, 5, 6], "channels": 24,
+             "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c", "weights": "OIhw4i16o4i",
+             "dst": "nChw16c"}
+HOST_SPEC = {"library": {"name": "test-host-int8"}, "kernel": [
+    *[k for k in VNNI_SPEC["kernel"] if k["name"] in VNNI_INT8 and "policy" not in k
+      and k["name"] != "conv_s8_pad"],
+    {"name": "conv_s8_8c", "op": "conv2d", "dtype": "int8", "shape": [1, 12, 5, 7],
+     "channels": 20, "kernel": [3, 3], "pad": [1, 1], "src": "nChw8c",
+     "weights": "OIhw2i8o4i", "dst": "nChw8c"},
+    {"name": "mm_u8_8b_stage", "op": "matmul", "dtype": "uint8", "shape": [5, 30], "n": 30,
+     "src": "ab", "weights": "BA8b4a", "dst": "aB8b", "policy": "dst_stage"},
+    *[{"name": f"conv_s8_{p}", **HOST_CONV, "policy": p} for p in POLICIES],
+    *[{"name": f"mm_u8_odd_{p}", "op": "matmul", "dtype": "uint8", "shape": [7, 18], "n": 13,
+       "src": "ab", "weights": "BA16b4a", "dst": "aB16b", "policy": p} for p in POLICIES],
+]}
+
+
+@pytest.fixture(scope="session")
+def host_int8_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("host-int8") / "lib"
+    bp.build(parse_spec(HOST_SPEC), "host", out, log=lambda m: None)
+    return out
+
+
+def test_host_int8_kernels_are_vpmaddubsw_and_vpmaddwd(host_int8_dir):
+    """Every int8 kernel multiplies with ymm vpmaddubsw + vpmaddwd in its hot loop; no loop
+    multiplies integers without them (an ``imul`` there is index arithmetic, by a constant;
+    the epilogue's float scale is not a product of the data), and the
+    widening path the kernels compiled to before (``vpmovsxbd`` + ``vpmulld``) is gone."""
+    funcs = asm_functions(host_int8_dir)
+    for k in HOST_SPEC["kernel"]:
+        name = k["name"]
+        code = kernel_instructions(funcs, name)
+        for needed in ("vpmaddubsw", "vpmaddwd"):
+            found = [l for l in code if l.split() and l.split()[0] == needed]
+            assert found and all("ymm" in l for l in found), f"{name}: no ymm {needed}"
+        for old in ("vpmulld", "vpmovsxbd"):
+            assert not _has(code, old), f"{name}: {old}"
+        _, hot = isa.hot_loop(funcs, name, "x86_64")
+        assert hot["dot"] >= 4, (name, hot)
+        for lines in assembly.kernel_code(funcs, name).values():
+            for loop in isa.innermost_loops(lines):
+                muls = [l for l in loop if l.split() and l.split()[0].startswith(("imul", "vpmul"))]
+                assert not muls or _has(loop, "vpmaddubsw"), (name, muls)
+                assert all(l.split()[0] == "imull" and l.split()[1].startswith("$")
+                           for l in muls), (name, muls)
+
+
+def test_host_int8_library_runs_here_and_is_exact(host_int8_dir, rng):
+    """Full-range sources and weights (the pairs that saturate one vpmaddubsw), garbage in
+    the padding a kernel masks, NaN destinations: exact against numpy's int64 reference."""
+    lib = bp.load(host_int8_dir)
+    ran = 0
+    for name, sig in lib.kernels.items():
+        if sig.op not in ("conv2d", "matmul"):
+            continue
+        for _ in range(2):
+            args = dot_inputs(sig, rng)
+            lib[name](*[args[a[0]] for a in sig.args])
+            dst = args["dst"]
+            np.testing.assert_array_equal(dst.to_numpy(), dot_reference(sig, args).astype(np.float32),
+                                          err_msg=name)
+            pad = dst.buffer[dst.layout.padding_offsets()]   # NaN before the call
+            if dst.state == "clean":
+                assert np.all(pad == 0), f"{name}: destination padding not zero"
+            elif sig.padding["produces"] == "preserved":
+                assert np.all(np.isnan(pad)), f"{name}: destination padding not preserved"
+        ran += 1
+    assert ran == len(HOST_SPEC["kernel"])
+
+
+@pytest.mark.parametrize("spec", [{"name": f"conv_{i}", "op": "conv2d", **c}
+                                  for i, c in enumerate(AWKWARD_CONVS)] + [
+    {"name": "mm_s8_odd", **next(k for k in VNNI_SPEC["kernel"] if k["name"] == "mm_s8_odd")}],
+    ids=lambda k: k["name"])
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_maddubs_schedule_is_exact_with_the_reference_twin(spec, lanes, rng):
+    """Stride, dilation, groups, channels-last, AMX-style weights: the AVX2 (8 lanes) and
+    AVX-512BW (16) schedules with the plain-loop twin of the sequence, on this CPU."""
+    from blockpad.schedules.x86_tensorized import Maddubs
+
+    sig, run = _twin(spec, Maddubs(lanes, reference=True), "host" if lanes == 8 else "avx512")
+    args = dot_inputs(sig, rng)
+    run(args)
+    _check(spec["name"], sig, args, exact=True)
+
+
+def test_avx512_without_vnni_uses_zmm_vpmaddubsw():
+    """``avx512`` (Skylake-SP: AVX-512BW, no VNNI): int8 takes 16 lanes of zmm (compiled
+    here, not run: this CPU has no AVX-512)."""
+    import tvm
+    from blockpad.schedules.x86_tensorized import Maddubs
+
+    kernel = make_kernels(parse_spec({"kernel": [{"name": "k", **HOST_CONV}]}).kernels[0])[0]
+    sch = Maddubs(16).apply(kernel.func, get_target("avx512"))
+    lib = tvm.compile(tvm.IRModule({"k": sch.mod["main"]}),
+                      target=get_target("avx512").tvm_target())
+    code = lib.mod.inspect_source("asm").splitlines()
+    found = [l for l in code if l.split() and l.split()[0] == "vpmaddubsw"]
+    assert found and all("zmm" in l for l in found)
 
 
 # ---- amx --------------------------------------------------------------------------------------
@@ -345,7 +453,7 @@ def test_load_asks_for_tiles_before_any_call(amx_dir, monkeypatch):
 # ---- rules decline what is not theirs ---------------------------------------------------------
 
 def test_rules_leave_other_kernels_to_the_next_rule():
-    from blockpad.schedules.x86_tensorized import Amx, Vnni
+    from blockpad.schedules.x86_tensorized import Amx, Maddubs, Vnni
 
     def func(**fields):
         spec = {"name": "k", "op": "matmul", "src": "ab", "weights": "BA16b4a", "dst": "ab",
@@ -357,6 +465,11 @@ def test_rules_leave_other_kernels_to_the_next_rule():
     assert Vnni().apply(func(**s8), get_target("avx512-vnni")) is not None
     assert Vnni().apply(func(dtype="float32", shape=[16, 64], n=32, weights="BA16a16b"),
                         get_target("avx512-vnni")) is None                  # fp32: not a dot
+    assert Maddubs(8).apply(func(**s8), get_target("host")) is not None   # AVX2
+    assert Maddubs(16).apply(func(**s8), get_target("host")) is None      # no avx512bw
+    assert Maddubs(16).apply(func(**s8), get_target("avx512")) is not None
+    assert Maddubs(8).apply(func(dtype="float32", shape=[16, 64], n=32, weights="BA16a16b"),
+                            get_target("host")) is None
     assert Amx().apply(func(**s8), get_target("avx512-vnni")) is None     # no amx_tile
     assert Amx().apply(func(dtype="int8", shape=[19, 64], n=32), get_target("amx")) is None
     assert Amx().apply(func(**s8), get_target("amx")) is not None
