@@ -23,9 +23,20 @@ DEFAULT_POLICY = "dst_fused"
 ELTWISE_DEFAULTS = MappingProxyType({"algorithm": "relu", "alpha": 0.0, "beta": 0.0})
 #: Each post-op kind and the defaults of its parameters: what a chain means when a field is
 #: left out. Two spellings of one chain must build (and cache) as one kernel.
-POST_OP_DEFAULTS = MappingProxyType({"bias": MappingProxyType({}),
-                                     "eltwise": ELTWISE_DEFAULTS,
-                                     "sum": MappingProxyType({"scale": 1.0})})
+#: ``sum``: v += scale * (sum[idx] - zero_point), its tensor in ``dt`` (None: the
+#: destination's); ``binary``: v = algorithm(v, operand), the operand a (1,) tensor, a (K,)
+#: per-channel one or a destination-shaped one (oneDNN's binary post-op and its broadcast masks).
+POST_OP_DEFAULTS = MappingProxyType({
+    "bias": MappingProxyType({}),
+    "eltwise": ELTWISE_DEFAULTS,
+    "sum": MappingProxyType({"scale": 1.0, "zero_point": 0, "dt": None}),
+    "binary": MappingProxyType({"algorithm": "add", "operand": "full"}),
+})
+#: A binary post-op's algorithms (prelu: v >= 0 ? v : v * operand) and its operand's shapes.
+BINARY_POST_OPS = ("add", "mul", "max", "min", "prelu")
+BINARY_OPERANDS = ("tensor", "channel", "full")
+#: How many sums and binary post-ops one chain may hold: each reads a tensor argument of its own.
+MAX_SUMS, MAX_BINARIES = 4, 8
 
 # ---- quantization attributes of integer conv2d and matmul (codegen/ops/quant.py) ---------------
 
@@ -58,3 +69,23 @@ def with_defaults(post_op) -> dict:
     """A post-op (a mapping with ``kind``) with its kind's defaults filled in where it leaves
     them out; an unknown kind gets none (its caller rejects it)."""
     return {**POST_OP_DEFAULTS.get(post_op.get("kind"), {}), **post_op}
+
+
+def post_op_tensors(chain) -> list:
+    """The tensor argument each entry of a post-op chain reads, in chain order (None for an
+    eltwise): ``bias``; ``sum``, ``sum_1``, ``sum_2``, ... (the first sum keeps the name a
+    chain's only sum always had); ``binary_0``, ``binary_1``, .... Kernels, manifests and the
+    Graph name the tensors so."""
+    seen: dict = {}
+    out = []
+    for p in chain:
+        kind = p.get("kind")
+        i = seen[kind] = seen.get(kind, -1) + 1
+        out.append({"bias": "bias", "sum": "sum" if i == 0 else f"sum_{i}",
+                    "binary": f"binary_{i}"}.get(kind))
+    return out
+
+
+#: Every name ``post_op_tensors`` can give, in the order kernels take them as arguments.
+POST_OP_TENSORS = ("bias", "sum", *(f"sum_{i}" for i in range(1, MAX_SUMS)),
+                   *(f"binary_{i}" for i in range(MAX_BINARIES)))

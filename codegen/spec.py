@@ -170,9 +170,11 @@ def _layouts(op, op_name, entry, shape, dtype, params):
     for t in op.tensors:
         if t not in signature:
             continue          # an optional tensor the parameters switched off
-        if t not in entry and t not in op.default_tags:
+        # default tags are 1-D ones: a tensor of higher rank (a full binary operand) needs its own
+        default = op.default_tags.get(t) if len(signature[t][0]) == 1 else None
+        if t not in entry and default is None:
             raise SpecError(f"op {op_name!r} needs a layout for {t}")
-        yield t, _layout(entry.get(t, op.default_tags.get(t)), *signature[t])
+        yield t, _layout(entry.get(t, default), *signature[t])
 
 
 def _one_or_many(entry, one, many, where, default=None):

@@ -17,6 +17,7 @@ from blockpad.check import driver, execute, generate, replay, shrink
 from blockpad.cli import main
 from blockpad.codegen.spec import parse_spec
 from blockpad.testing import qemu
+from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS
 
 SAMPLE_SEED = 16
 SAMPLE_CASES = 16
@@ -63,7 +64,13 @@ def test_every_drawn_case_is_a_valid_spec(target):
     assert {e["op"] for e in entries} == set(generate.OPS)
     assert {e["policy"] for e in entries if "policy" in e} == set(generate.POLICIES)
     assert any(e.get("inplace") for e in entries)
-    assert {p["kind"] for e in entries for p in e.get("post_ops", [])} == {"bias", "eltwise", "sum"}
+    chains = [e.get("post_ops", []) for e in entries]
+    assert {p["kind"] for c in chains for p in c} == {"bias", "eltwise", "sum", "binary"}
+    binaries = [p for c in chains for p in c if p["kind"] == "binary"]
+    assert {p["algorithm"] for p in binaries} == set(BINARY_POST_OPS)
+    assert {p["operand"] for p in binaries} == set(BINARY_OPERANDS)
+    assert any(sum(p["kind"] == "sum" for p in c) > 1 for c in chains)
+    assert any(p.get("zero_point") for c in chains for p in c)
     assert {e["dtype"] for e in entries if e["op"] == "conv2d"} == \
         {"float32", "int8", "uint8", "bfloat16", "float16", "float64"}
     assert any(isinstance(e.get("dst"), dict) and "strides" in e["dst"] for e in entries)
@@ -217,6 +224,23 @@ def test_shrinking_keeps_only_what_the_failure_needs():
 
     small = shrink.shrink(entry, fails, lambda e: True, log=lambda m: None)
     assert small == {**entry, "policy": "dst_fused", "dtype": "float32"}
+
+
+def test_dropping_a_post_op_renames_the_later_tensors():
+    """sum_1 becomes sum, binary_1 binary_0, each keeping its layout: the shrunk spec still
+    names every tensor its chain reads, and parses."""
+    chain = [{"kind": "sum"}, {"kind": "binary", "algorithm": "add", "operand": "full"},
+             {"kind": "sum", "scale": 0.5}, {"kind": "binary", "algorithm": "mul",
+                                             "operand": "full"}]
+    entry = {"name": "case0", "op": "matmul", "shape": [3, 5], "n": 7, "src": "ab",
+             "weights": "ab", "dst": "aB8b", "sum": "aB8b", "sum_1": "aB8b", "binary_0": "ab",
+             "binary_1": "ba", "post_ops": chain}
+    first, second = list(shrink.simpler(entry))[:2]
+    assert (first["post_ops"], first["sum"], first["binary_1"]) == (chain[1:], "aB8b", "ba")
+    assert "sum_1" not in first
+    assert (second["binary_0"], "binary_1" in second, second["sum_1"]) == ("ba", False, "aB8b")
+    for e in (first, second):
+        parse_spec({"kernel": [e]})
 
 
 def test_bounds_reject_a_wrong_result_and_accept_rounding():

@@ -431,7 +431,7 @@ def test_arguments_follow_the_post_op_tensors():
     ({"groups": 4}, "groups must divide"),
     ({"post_ops": [{"kind": "prelu"}]}, "kind must be one of"),
     ({"post_ops": [{"kind": "bias"}, {"kind": "bias"}]}, "at most one 'bias'"),
-    ({"post_ops": [{"kind": "sum"}], "sum": "nchw"}, "sum post-op: its layout"),
+    ({"post_ops": [{"kind": "sum"}], "sum": "nchw"}, "sum \\(a sum post-op\\): its layout"),
     ({"kernel": [9, 9], "pad": [0, 0]}, "does not fit"),
     ({"spatial_pad": "mirror"}, "spatial_pad must be"),
     ({"dtype": "int32"}, "expected one of float32"),

@@ -217,7 +217,10 @@ def describe(entry: dict) -> str:
     if entry.get("inplace"):
         bits.append("inplace")
     if entry.get("post_ops"):
-        bits.append("post_ops=" + "+".join(p.get("algorithm", p["kind"]) for p in entry["post_ops"]))
+        bits.append("post_ops=" + "+".join(
+            f"{p['kind']}:{p.get('algorithm', 'add')}:{p.get('operand', 'full')}"
+            if p["kind"] == "binary" else p.get("algorithm", p["kind"])
+            for p in entry["post_ops"]))
     return " ".join(bits)
 
 

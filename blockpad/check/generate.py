@@ -29,6 +29,7 @@ import numpy as np
 
 from blockpad.errors import LayoutError
 from blockpad.layout import Layout
+from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS, post_op_tensors
 
 POLICIES = ("dst_fused", "dst_stage", "src", "on_handle", "tracked", "user")
 OPS = ("reorder", "zero_pad", "eltwise", "binary", "conv2d", "matmul", "softmax", "pool")
@@ -52,6 +53,10 @@ class Profile:
         self.dot_dtypes = dot_dtypes
 
 
+# a dot product's destination type by source type (float32 for the others: int8, bf16)
+DST_TYPES = {"float16": "float16", "float64": "float64"}
+# a sum's other data type of the destination's size (oneDNN reinterprets dst's memory)
+SUM_DT = {"float32": "int32", "int32": "float32", "int8": "uint8", "uint8": "int8"}
 _DOT = ("float32", "float32", "float32", "int8", "uint8", "bfloat16", "float16", "float64")
 _X86 = Profile((4, 8, 16), _DOT)
 _ARM = Profile((4, 8), _DOT)
@@ -254,29 +259,49 @@ def _pool(rng, prof):
             "dst": layout(rng, "nchw", out, "float32", prof.blocks, block="chw", halo="hw")}
 
 
-def _post_ops(rng):
+def _post_ops(rng, dst_dtype):
+    """A chain of up to three entries: bias (once, by design: one bias per chain), eltwise,
+    sums (a scale, a zero point, a tensor in the other type of dst's size: oneDNN's sum data
+    type) and binary post-ops of every algorithm and operand shape."""
     chain = []
     for _ in range(int(rng.choice([0, 0, 1, 2, 3]))):
-        kind = str(rng.choice(["bias", "eltwise", "eltwise", "sum"]))
-        if kind != "eltwise" and any(p["kind"] == kind for p in chain):
-            continue         # bias and sum name a tensor: at most one of each, by design
+        kind = str(rng.choice(["bias", "eltwise", "eltwise", "sum", "binary"]))
+        if kind == "bias" and any(p["kind"] == "bias" for p in chain):
+            continue
         if kind == "eltwise":
             chain.append({"kind": "eltwise", **_eltwise_params(rng)})
         elif kind == "sum":
-            chain.append({"kind": "sum", "scale": float(rng.choice([1.0, 0.5]))})
+            p = {"kind": "sum", "scale": float(rng.choice([1.0, 0.5]))}
+            if rng.random() < 0.3:
+                p["zero_point"] = int(rng.integers(-3, 4))
+            if dst_dtype in SUM_DT and rng.random() < 0.2:
+                p["dt"] = SUM_DT[dst_dtype]
+            chain.append(p)
+        elif kind == "binary":
+            chain.append({"kind": "binary", "algorithm": str(rng.choice(BINARY_POST_OPS)),
+                          "operand": str(rng.choice(BINARY_OPERANDS))})
         else:
             chain.append({"kind": "bias"})
     return chain
 
 
 def _dot_tensors(rng, entry, dst_letters, dst_shape, prof):
-    """dst's layout, and the sum post-op's: oneDNN's sum reads a tensor laid out like the
-    destination (the same padded dims and halo), so it takes dst's layout, by design."""
+    """dst's layout; each sum post-op's: oneDNN's sum reads a tensor laid out like the
+    destination (the same padded dims and halo), so it takes dst's layout, by design; a full
+    binary operand's, any layout of dst's shape (per-tensor and per-channel ones are 1-D)."""
     nchw = dst_letters == "nchw"
-    entry["dst"] = layout(rng, dst_letters, dst_shape, "float32", prof.blocks,
-                          block="chw" if nchw else "ba", halo="hw" if nchw else None)
-    if any(p["kind"] == "sum" for p in entry["post_ops"]):
-        entry["sum"] = entry["dst"]
+
+    def draw():
+        return layout(rng, dst_letters, dst_shape, "float32", prof.blocks,
+                      block="chw" if nchw else "ba", halo="hw" if nchw else None)
+
+    entry["dst"] = draw()
+    chain = entry["post_ops"]
+    for p, name in zip(chain, post_op_tensors(chain)):
+        if p["kind"] == "sum":
+            entry[name] = entry["dst"]
+        elif p["kind"] == "binary" and p["operand"] == "full":
+            entry[name] = draw()
     return entry
 
 
@@ -304,7 +329,7 @@ def _conv2d(rng, prof):
     entry = {"shape": [n, c, h, w], "dtype": dtype, "channels": k, "groups": groups,
              "kernel": kernel, "stride": stride, "pad": pad, "dilation": dilation,
              "spatial_pad": str(rng.choice(["fused", "stage"])), "policy": _policy(rng),
-             "post_ops": _post_ops(rng),
+             "post_ops": _post_ops(rng, DST_TYPES.get(dtype, "float32")),
              "src": layout(rng, "nchw", [n, c, h, w], dtype, prof.blocks, block="chw",
                            halo="hw"),
              "weights": layout(rng, wletters, wshape, wdtype, prof.blocks, block=wblock,
@@ -328,6 +353,9 @@ def _quant(rng, entry):
                  dst_scale=float(rng.choice([1.0, 0.05, 0.02])),
                  dst_zero_point=int(rng.integers(zlo, zhi + 1)) if rng.random() < 0.7 else 0)
     chain = entry["post_ops"]
+    for p in chain:
+        if "dt" in p:    # drawn for a float32 destination: now dst's other type of its size
+            p["dt"] = SUM_DT[dst]
     bias = [p for p in chain if p["kind"] == "bias"]
     if bias and rng.random() < 0.5:
         entry["post_ops"] = [{"kind": "bias", "dtype": "int32"},
@@ -340,7 +368,7 @@ def _matmul(rng, prof):
     m, kk, n = int(rng.integers(1, 18)), int(rng.integers(1, 71)), int(rng.integers(1, 41))
     wdtype = "int8" if dtype in ("int8", "uint8") else dtype
     entry = {"shape": [m, kk], "dtype": dtype, "n": n, "policy": _policy(rng),
-             "post_ops": _post_ops(rng),
+             "post_ops": _post_ops(rng, DST_TYPES.get(dtype, "float32")),
              "src": layout(rng, "ab", [m, kk], dtype, prof.blocks, block="ba"),
              "weights": layout(rng, "ab", [kk, n], wdtype, prof.blocks, block="ba", halo="")}
     return _quant(rng, _dot_tensors(rng, entry, "ab", [m, n], prof))

@@ -16,6 +16,8 @@ import math
 
 import numpy as np
 
+from blockpad.vocabulary import post_op_tensors
+
 # unit roundoff of the type a kernel computes in
 UNIT = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11,
         "bfloat16": 2.0 ** -8}
@@ -169,20 +171,38 @@ def dot(entry, t):
         bound = 3 * u * np.abs(v)
     else:
         bound = terms * u * absacc.astype(np.float64)
-    for p in entry.get("post_ops", []):
+    chain = entry.get("post_ops", [])
+    for p, name in zip(chain, post_op_tensors(chain)):
         if p["kind"] == "bias":
             if int_bias:
                 continue
             v = v + t["bias"].astype(np.float64)[channel]
             bound = bound + u * np.abs(v)
-        elif p["kind"] == "sum":
-            v = v + p.get("scale", 1.0) * t["sum"].astype(np.float64)
-            bound = bound + 2 * u * np.abs(v)
+        elif p["kind"] == "sum":     # oneDNN: v + scale * (sum - zero_point)
+            s = p.get("scale", 1.0) * (t[name].astype(np.float64) - p.get("zero_point", 0))
+            v = v + s
+            bound = bound + 2 * u * (np.abs(v) + np.abs(s))
+        elif p["kind"] == "binary":
+            b = t[name].astype(np.float64)
+            b = b[(0,) * b.ndim] if p.get("operand", "full") == "tensor" else \
+                b[channel] if p.get("operand", "full") == "channel" else b
+            v, bound = BINARY[p.get("algorithm", "add")](v, b, bound)
+            bound = bound + u * np.abs(v)
         else:
             v, bound = through(eltwise_fn(p), v, bound, u)
     if "scale" in t:
         return requantize(entry, v, bound)
     return v, bound + UNIT[dst_type] * np.abs(v)
+
+
+def _prelu(v, b, bound):
+    return np.where(v >= 0, v, v * b), bound * np.maximum(1, np.abs(b))
+
+
+# a binary post-op: (v, its error bound, the operand) -> (result, the error carried through)
+BINARY = {"add": lambda v, b, e: (v + b, e), "mul": lambda v, b, e: (v * b, e * np.abs(b)),
+          "max": lambda v, b, e: (np.maximum(v, b), e), "min": lambda v, b, e: (np.minimum(v, b), e),
+          "prelu": _prelu}
 
 
 INT_RANGES = {"int8": (-128, 127), "uint8": (0, 255), "int32": (-2 ** 31, 2 ** 31 - 1)}

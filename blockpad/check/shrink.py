@@ -6,17 +6,16 @@ tries is bounded."""
 from __future__ import annotations
 
 from blockpad.layout import Layout
+from blockpad.vocabulary import POST_OP_TENSORS, post_op_tensors
 
 TENSORS = ("src", "src0", "src1", "layout", "weights", "dst")
 
 
 def simpler(entry: dict):
     """Candidate entries, each one step simpler than ``entry``."""
-    for i, p in enumerate(entry.get("post_ops", [])):
-        e = {**entry, "post_ops": [q for j, q in enumerate(entry["post_ops"]) if j != i]}
-        if p["kind"] == "sum":
-            e.pop("sum", None)
-        yield e
+    chain = entry.get("post_ops", [])
+    for i in range(len(chain)):
+        yield _without_post_op(entry, i)
     if entry.get("inplace"):
         yield {k: v for k, v in entry.items() if k != "inplace"}
     if entry.get("policy") not in (None, "dst_fused"):
@@ -35,11 +34,25 @@ def simpler(entry: dict):
             steps.append(plain)                                     # blocks dropped
         for value in steps:
             e = {**entry, t: value}
-            if t == "dst" and "sum" in entry:
-                e["sum"] = value                  # sum is laid out like dst, by definition
+            if t == "dst":                        # sums are laid out like dst, by definition
+                e.update({n: value for p, n in zip(chain, post_op_tensors(chain))
+                          if p["kind"] == "sum"})
             if entry.get("inplace") and t in ("src", "src0", "dst"):
                 continue                          # in place: one layout for both
             yield e
+
+
+def _without_post_op(entry: dict, i: int) -> dict:
+    """``entry`` with post-op ``i`` dropped: the later sums and binary operands take the names
+    of the earlier ones (``sum_2`` becomes ``sum_1``), each keeping its own layout."""
+    chain = entry["post_ops"]
+    rest = [p for j, p in enumerate(chain) if j != i]
+    old = [n for j, n in enumerate(post_op_tensors(chain)) if j != i]
+    e = {k: v for k, v in entry.items() if k not in POST_OP_TENSORS}
+    e.update({new: entry[name] for name, new in zip(old, post_op_tensors(rest))
+              if new is not None and name in entry})
+    e["post_ops"] = rest
+    return e
 
 
 def _plain(tag: str) -> str:

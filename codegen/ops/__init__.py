@@ -25,7 +25,7 @@ class Op:
     make: Callable                       # make(layouts, name, policy, **params) -> [KernelDef]
     params: dict = field(default_factory=dict)   # parameter -> default
     signature: Callable | None = None    # (shape, dtype, params) -> {tensor: (shape, dtype)}
-    default_tags: dict = field(default_factory=dict)   # tensors a spec may leave out
+    default_tags: dict = field(default_factory=dict)   # 1-D tensors a spec may leave out
     policy_free: bool = False            # data movement: the same code under every policy
     inplace: str | None = None           # the source a spec's `inplace = true` overwrites
     check: Callable | None = None        # check(layouts, params): SpecError at parse time

@@ -1,13 +1,23 @@
 """Post-ops of convolution and matmul, oneDNN's post-op chain, fused into the kernel's epilogue:
 
-    post_ops = [{kind = "bias"}, {kind = "eltwise", algorithm = "relu"}, {kind = "sum"}]
+    post_ops = [{kind = "bias"}, {kind = "eltwise", algorithm = "relu"}, {kind = "sum"},
+                {kind = "binary", algorithm = "mul", operand = "channel"}]
 
 applied in the order given to the reduced value ``v`` at destination element ``idx``:
 
 * ``bias``:    v + bias[k], a 1-D (K,) tensor over the output channels (kernel argument ``bias``);
 * ``eltwise``: ``eltwise.apply(algorithm, v, alpha, beta)``;
-* ``sum``:     v + scale * sum[idx], a second tensor (argument ``sum``) in dst's dtype and laid
-  out like dst: same padded dims and halo (oneDNN's sum reads the destination's own memory).
+* ``sum``:     v + scale * (sum[idx] - zero_point), a second tensor laid out like dst: same
+  padded dims and halo (oneDNN's sum reads the destination's own memory). Its element type is
+  dst's, or ``dt``, one of the same size (oneDNN reinterprets dst's memory: a uint8 dst may
+  accumulate an int8 sum; a float32 one an int32 sum). A chain may hold several sums, each
+  reading its own tensor: arguments ``sum``, ``sum_1``, ``sum_2``, ... in chain order;
+* ``binary``:  v = algorithm(v, operand) for ``add``, ``mul``, ``max``, ``min`` (NaN from either
+  side, as oneDNN) and ``prelu`` (v >= 0 ? v : v * operand); the operand is a (1,) tensor
+  (``operand = "tensor"``), a (K,) one over the output channels (``"channel"``) or a tensor of
+  dst's shape in any layout (``"full"``), in the chain's type: oneDNN's binary post-op with its
+  per-tensor, per-channel and full broadcast masks. Arguments ``binary_0``, ``binary_1``, ... in
+  chain order.
 
 The chain runs in the accumulator's type: the source's for float32 and float64, float32 for
 float16 (cast to the destination's at the store). Integer kernels (uint8/int8 x int8 -> int32)
@@ -15,17 +25,21 @@ start it in int32 (source zero-point compensation, an int32 bias: ``{kind = "bia
 "int32"}``, first in the chain) and with the weight scale, v = scale * float(acc) (oneDNN's
 output scales), and end it with the destination scale, zero point, rounding and saturation to
 ``dst_dtype``: ``quant.py`` holds both ends and their order. Bias has the destination's dtype
-(float32 for integer kernels unless it says int32), sum the destination's. The tensors come as
-kernel arguments in the fixed order scale, bias, sum, whatever the order of the chain; each
-kind that reads a tensor may appear once.
+(float32 for integer kernels unless it says int32), sums the destination's (or ``dt``), binary
+operands the chain's (float32 for integer kernels). The tensors come as kernel arguments in the
+fixed order scale, bias, the sums, the binary operands (``vocabulary.POST_OP_TENSORS``),
+whatever the order of the chain; a chain holds one bias at most.
 
-Per-channel tensors (scale, bias) are read through a copy extended over the destination's
-padded channels, which repeat the last channel's value. So the epilogue reads them with no
-bounds check, and none can be lost: inside ``materialize``'s ``select(is_padding, 0, v)`` TVM
-simplifies ``v`` assuming a valid channel, which would drop a guard or a clamp and leave a
-vector load past the end of a (K,) buffer. It also lets the zero-propagation derivation
+Per-channel tensors (scale, bias, per-channel operands) are read through a copy extended over
+the destination's padded channels, which repeat the last channel's value. So the epilogue reads
+them with no bounds check, and none can be lost: inside ``materialize``'s ``select(is_padding,
+0, v)`` TVM simplifies ``v`` assuming a valid channel, which would drop a guard or a clamp and
+leave a vector load past the end of a (K,) buffer. It also lets the zero-propagation derivation
 (``common.propagates_zero``) see what oneDNN's ``wants_zero_pad_dst`` knows: a bias breaks
-zeros (a padded channel gets bias[K-1]); an output scale does not (scale * 0 = 0).
+zeros (a padded channel gets bias[K-1]); an output scale does not (scale * 0 = 0). So with the
+new entries: adding or taking the max/min with a per-tensor or per-channel operand breaks
+zeros, multiplying by one or a prelu does not, a full operand keeps them (its own padding reads
+as 0), and a sum with a zero point breaks them (0 - zero_point).
 """
 
 from __future__ import annotations
@@ -34,19 +48,25 @@ from tvm import te, tirx
 
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
-from blockpad.vocabulary import POST_OP_DEFAULTS
+from blockpad.vocabulary import (BINARY_OPERANDS, BINARY_POST_OPS, MAX_BINARIES, MAX_SUMS,
+                                 POST_OP_DEFAULTS, POST_OP_TENSORS, post_op_tensors)
 
 from . import eltwise, quant
-from .common import Source, dtype_of
+from .common import Source, dtype_of, nan_max, nan_min
 
 INTEGER = quant.INTEGER
 # floating sources and their accumulators; bfloat16 would need the bit storage (uint16 buffers)
 # that reorders use, in compute ops, which no op has yet
 ACCUMULATOR = {"float32": "float32", "float64": "float64", "float16": "float32"}
 CHANNEL = 1   # the output-channel dim of the destination's logical index (n k h w; m n)
-TENSORS = ("scale", "bias", "sum")   # argument order
-DEFAULT_TAGS = {"scale": "a", "bias": "a"}   # 1-D: a spec may leave their layouts out
+TENSORS = ("scale", *POST_OP_TENSORS)   # argument order
+# 1-D tensors whose layouts a spec may leave out (a full binary operand, dst's rank, needs one)
+DEFAULT_TAGS = {"scale": "a", "bias": "a", **{n: "a" for n in TENSORS if n.startswith("binary")}}
 OPTIONAL = {"bias": ("dtype",)}   # keys without a default (quant.bias_dtype)
+# a sum tensor's element types: dst's, or another of its size (oneDNN reinterprets dst's memory)
+SUM_TYPES = ("float32", "int32", "float64", "float16", "int8", "uint8")
+BINARY = {"add": lambda v, b: v + b, "mul": lambda v, b: v * b, "max": nan_max, "min": nan_min,
+          "prelu": lambda v, b: tirx.Select(v >= tirx.const(0, dtype_of(v)), v, v * b)}
 
 
 BF16 = "bfloat16"   # in kernel arguments as its uint16 bits: numpy and DLPack have no bf16
@@ -91,39 +111,83 @@ def check(post_ops) -> list[dict]:
         if unknown:
             raise SpecError(f"post_ops[{i}] ({kind}): unknown key {', '.join(unknown)}; "
                             f"expected {', '.join(['kind', *POST_OP_DEFAULTS[kind]])}")
-        if kind != "eltwise" and any(q["kind"] == kind for q in out):
-            raise SpecError(f"post_ops[{i}]: at most one {kind!r} post-op (it names a tensor)")
+        most = {"bias": 1, "sum": MAX_SUMS, "binary": MAX_BINARIES}.get(kind)
+        if most is not None and sum(q["kind"] == kind for q in out) == most:
+            raise SpecError(f"post_ops[{i}]: at most {'one' if most == 1 else most} {kind!r} "
+                            f"post-op{'s' if most > 1 else ''} (each names a tensor)")
         out.append({"kind": kind, **POST_OP_DEFAULTS[kind], **p})
-        if kind == "eltwise":
-            eltwise.apply(out[-1]["algorithm"], tirx.Var("x", "float32"))  # rejects unknown ones
+        _check_entry(i, out[-1])
     return out
+
+
+def _check_entry(i: int, p: dict) -> None:
+    def expect(key, ok, what):
+        if not ok:
+            raise SpecError(f"post_ops[{i}] ({p['kind']}): {key} must be {what}; "
+                            f"got {p[key]!r}")
+
+    if p["kind"] == "eltwise":
+        eltwise.apply(p["algorithm"], tirx.Var("x", "float32"))  # rejects unknown ones
+    elif p["kind"] == "sum":
+        expect("scale", _number(p["scale"]), "a number")
+        expect("zero_point", isinstance(p["zero_point"], int) and
+               not isinstance(p["zero_point"], bool) and -2**31 <= p["zero_point"] < 2**31,
+               "an int32 integer")
+        expect("dt", p["dt"] is None or p["dt"] in SUM_TYPES,
+               f"one of {', '.join(SUM_TYPES)} (or left out: the destination's)")
+    elif p["kind"] == "binary":
+        expect("algorithm", p["algorithm"] in BINARY_POST_OPS, f"one of {', '.join(BINARY_POST_OPS)}")
+        expect("operand", p["operand"] in BINARY_OPERANDS, f"one of {', '.join(BINARY_OPERANDS)}")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def tensors(post_ops, dst_shape, channels: int, src_dtype: str, params=None) -> dict:
     """The extra tensors the chain reads, in argument order: ``{name: (shape, dtype)}``;
     ``params``: the op's, for its quantization attributes (``quant.py``)."""
-    ops = check(post_ops)
-    kinds = {p["kind"] for p in ops}
+    chain = check(post_ops)
     params = quant.check(src_dtype, params or {})
     natural = types(src_dtype)[2]
     dst = quant.dst_dtype(src_dtype, params, natural)
     out = {"scale": (quant.scale_shape(params, channels), "float32")} \
         if src_dtype in INTEGER else {}
-    if "bias" in kinds:
-        out["bias"] = ((channels,), quant.bias_dtype(ops, src_dtype, natural))
-    if "sum" in kinds:
-        out["sum"] = (tuple(dst_shape), dst)
-    return out
+    shapes = {"tensor": (1,), "channel": (channels,), "full": tuple(dst_shape)}
+    for p, name in zip(chain, post_op_tensors(chain)):
+        if p["kind"] == "bias":
+            out[name] = ((channels,), quant.bias_dtype(chain, src_dtype, natural))
+        elif p["kind"] == "sum":
+            out[name] = (tuple(dst_shape), _sum_type(p, dst))
+        elif p["kind"] == "binary":
+            out[name] = (shapes[p["operand"]], natural)
+    return {n: out[n] for n in TENSORS if n in out}
+
+
+def _sum_type(p: dict, dst: str) -> str:
+    """A sum tensor's element type: ``dt`` if it names one of dst's size, else dst's."""
+    dt = p["dt"] or dst
+    if _bits(dt) != _bits(dst):
+        raise SpecError(f"sum post-op: dt must have the destination's element size ({dst}: "
+                        f"{', '.join(t for t in SUM_TYPES if _bits(t) == _bits(dst))}); "
+                        f"got {dt!r}")
+    return dt
+
+
+def _bits(dtype: str) -> int:
+    return int("".join(c for c in dtype if c.isdigit()))
 
 
 def check_layouts(layouts: dict) -> None:
-    """The sum tensor is read at dst's physical positions: it needs dst's padded dims and halo
+    """A sum tensor is read at dst's physical positions: it needs dst's padded dims and halo
     (checked when a spec is parsed, and again when the chain is made)."""
     dst = layouts["dst"]
-    if "sum" in layouts and (layouts["sum"].padded_shape, layouts["sum"].paddings) != \
-            (dst.padded_shape, dst.paddings):
-        raise SpecError(f"sum post-op: its layout must have dst's padded dims and halo; "
-                        f"got {layouts['sum']} for dst {dst}")
+    for name in TENSORS:
+        if name.startswith("sum") and name in layouts and \
+                (layouts[name].padded_shape, layouts[name].paddings) != \
+                (dst.padded_shape, dst.paddings):
+            raise SpecError(f"{name} (a sum post-op): its layout must have dst's padded dims "
+                            f"and halo; got {layouts[name]} for dst {dst}")
 
 
 class Chain:
@@ -132,12 +196,14 @@ class Chain:
 
     def __init__(self, post_ops, layouts: dict, mode: str, requant=None):
         self.ops = check(post_ops)
+        self.names = post_op_tensors(self.ops)
         self.requant = requant   # quant.Requant: the ends of an integer kernel's chain
         check_layouts(layouts)
         dst = layouts["dst"]
         self.sources = {n: Source(n, layouts[n], mode) for n in TENSORS if n in layouts}
-        self.per_channel = {n: _extended(self.sources[n], dst) for n in ("scale", "bias")
-                            if n in self.sources}
+        channel = {"scale", "bias", *(n for p, n in zip(self.ops, self.names)
+                                      if p["kind"] == "binary" and p["operand"] == "channel")}
+        self.per_channel = {n: _extended(s, dst) for n, s in self.sources.items() if n in channel}
         self.offset = dst.paddings[CHANNEL][0]
 
     def __call__(self, v, idx):
@@ -149,14 +215,28 @@ class Chain:
         if "scale" in self.per_channel:
             v = v.astype("float32") * self.per_channel["scale"][k]
         dtype = dtype_of(v)
-        for p in self.ops:
-            if p["kind"] == "bias" and not int_bias:
+        for p, name in zip(self.ops, self.names):
+            if p["kind"] == "bias" and int_bias:
+                continue   # added to the int32 accumulator (requant.start)
+            if p["kind"] == "bias":
                 v = v + self.per_channel["bias"][k].astype(dtype)
             elif p["kind"] == "sum":
-                v = v + tirx.const(p["scale"], dtype) * self.sources["sum"](*idx).astype(dtype)
-            elif p["kind"] == "eltwise":
+                s = self.sources[name](*idx).astype(dtype)
+                if p["zero_point"]:
+                    s = s - tirx.const(p["zero_point"], dtype)
+                v = v + tirx.const(p["scale"], dtype) * s
+            elif p["kind"] == "binary":
+                v = BINARY[p["algorithm"]](v, self._operand(p, name, idx, k).astype(dtype))
+            else:
                 v = eltwise.apply(p["algorithm"], v, p["alpha"], p["beta"])
         return v if self.requant is None else self.requant.finish(v)
+
+    def _operand(self, p, name, idx, k):
+        if p["operand"] == "tensor":
+            return self.sources[name](0)
+        if p["operand"] == "channel":
+            return self.per_channel[name][k]
+        return self.sources[name](*idx)
 
 
 def _extended(t: Source, dst: Layout) -> te.Tensor:
