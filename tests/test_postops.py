@@ -50,6 +50,12 @@ CASES = {
     "u8_conv": {**CONV, "dtype": "uint8", "sum": "nChw16c", "post_ops": [
         binary("mul", "channel"), {"kind": "sum", "dt": "int32", "zero_point": 1},
         binary("max", "tensor")]},
+    # q8's integer destination: the chain in float32 between the scale and the requantization,
+    # a uint8 sum into an int8 destination (oneDNN's sum data type of dst's size)
+    "u8_to_s8": {**CONV, "dtype": "uint8", "src_zero_point": 3, "dst_dtype": "int8",
+                 "dst_scale": 0.05, "dst_zero_point": -2, "sum": "nChw16c", "post_ops": [
+                     binary("add", "channel"), {"kind": "sum", "dt": "uint8", "zero_point": 128},
+                     binary("prelu", "tensor")]},
     "s8_mm": {**MATMUL, "dtype": "int8", "weights": "BA16a16b", "binary_0": "aB16b",
               "sum": "aB16b", "sum_1": "aB16b",
               "post_ops": [binary("min", "full"), {"kind": "sum", "scale": 0.25},
