@@ -48,8 +48,15 @@ from tvm import te, tirx
 
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
-from blockpad.vocabulary import (BINARY_OPERANDS, BINARY_POST_OPS, MAX_BINARIES, MAX_SUMS,
-                                 POST_OP_DEFAULTS, POST_OP_TENSORS, post_op_tensors)
+from blockpad.vocabulary import (
+    BINARY_OPERANDS,
+    BINARY_POST_OPS,
+    MAX_BINARIES,
+    MAX_SUMS,
+    POST_OP_DEFAULTS,
+    POST_OP_TENSORS,
+    post_op_tensors,
+)
 
 from . import eltwise, quant
 from .common import Source, dtype_of, nan_max, nan_min
