@@ -11,6 +11,9 @@
     dst  = v / dst_scale + dst_zero_point      a float32 destination
     dst  = saturate(nearbyint(v / dst_scale) + dst_zero_point)     int32, int8, uint8
 
+oneDNN's per-tensor source scale has no attribute of its own: it folds into ``scale`` (a caller
+passes ``src_scale * wei_scale[k]``, one float32 product, as oneDNN's reference forms it), and
+ONNX's requantization multiplier ``x_scale * w_scale[k] / y_scale`` likewise (``dst_scale = 1``).
 ``nearbyint`` rounds half to even (one ``vroundps``); the zero point is added to the rounded
 value (an integer), then the sum saturates to the destination's range; an int32 destination
 saturates at the float32 values nearest inside its range (2**31 - 128 is the largest float32
