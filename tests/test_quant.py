@@ -59,6 +59,12 @@ CASES = {
                "kernel": [3, 3], "pad": [2, 2], "dilation": [2, 2], "groups": 2,
                "src": "nchw", "weights": "goihw", "dst": "nchw", "sum": "nchw",
                "src_zero_point": 3, "dst_dtype": "int8", "post_ops": [{"kind": "sum"}]},
+    # depthwise, stride 2: its compensation as cheap as its border
+    "depthwise": {"op": "conv2d", "dtype": "uint8", "shape": [1, 20, 9, 7], "channels": 20,
+                  "groups": 20, "kernel": [3, 3], "stride": [2, 2], "pad": [1, 1],
+                  "src": "nChw16c", "weights": "Goihw16g", "dst": "nChw16c",
+                  "src_zero_point": 100, "dst_dtype": "uint8", "dst_zero_point": 3,
+                  "post_ops": [INT_BIAS]},
     "mm": {"op": "matmul", "dtype": "uint8", "shape": [6, 37], "n": 20, "src": "aB16b",
            "weights": "AB4b16a4b", "dst": "aB16b", "src_zero_point": 77, "dst_dtype": "int8",
            "dst_zero_point": 10, "dst_scale": 0.5, "post_ops": [INT_BIAS]},
@@ -245,7 +251,7 @@ def test_zero_point_padding_is_the_zero_point(libs):
     """All sources equal to the zero point: every tap, in the image or in the padding (halo,
     padded channels), contributes 0, so the result is the bias alone everywhere, the border
     too, under fused, staged and pre-padded spatial padding."""
-    for case in ("blk16", "staged", "halo", "groups"):
+    for case in ("blk16", "staged", "halo", "groups", "depthwise"):
         kernel, entry = libs["dst_fused"][case], CASES[case]
         arrays = inputs(kernel, np.random.default_rng(1))
         arrays["src"][:] = entry["src_zero_point"]
@@ -261,6 +267,8 @@ def test_compensation_is_computed_in_the_kernel():
     assert [a.name for a in with_zp.args] == ["src", "weights", "scale", "bias", "dst"]
     script = with_zp.func.script()
     assert 'T.sblock("zp_wsum")' in script and 'T.sblock("zp_comp")' in script
+    # one row and column per border class (top, interior, bottom), not per output pixel
+    assert 'zp_comp = T.sblock_alloc_buffer((3, 3, 32), "int32")' in script
     plain = _kernels({**CASES["blk16"], "src_zero_point": 0})[0]
     assert "zp_comp" not in plain.func.script()
 

@@ -33,9 +33,10 @@ dot product), and the compensation counts the weights of the taps that read the 
                        wsum[k, kh, kw]                                    (stage ``zp_comp``)
 
 Padded channels need nothing: their weights are zero. The kernel computes both stages itself on
-every call (no extra argument, nothing for a caller to get wrong): ``K C KH KW`` additions plus
-``K OH OW KH KW`` (spatial padding only; ``comp[k]`` otherwise), a small part of the
-convolution's ``N K OH OW C KH KW``. matmul's is ``comp[n] = sum_k wei[k, n]``.
+every call (no extra argument, nothing for a caller to get wrong): ``K C KH KW`` additions, and
+``comp`` once per *border class* of rows and columns (``BorderClasses``: each border row its
+own, all interior rows one), ``K KH KW`` per class: a small part of the convolution's
+``N K OH OW C KH KW``, depthwise too. matmul's is ``comp[n] = sum_k wei[k, n]``.
 """
 
 from __future__ import annotations
@@ -166,9 +167,14 @@ def saturation_bounds(dst: str, zp: int) -> tuple:
 
 def conv_compensation(w, geo, dst, c_red: int):
     """``comp(idx)`` of a convolution reading weights ``w`` (a Source) over ``c_red`` channels
-    per group, for destination layout ``dst``: the stages of the module doc, laid out over
-    ``dst``'s buffer positions along k (and h, w where there is spatial padding; padding
-    positions repeat the nearest logical one), so the epilogue reads them without a guard."""
+    per group, for destination layout ``dst``: the stages of the module doc. ``zp_comp`` holds
+    one row (column) per *border class* of output rows (columns): each row whose taps leave
+    the image at the top or bottom has its own, and every row whose taps all read the image
+    shares one (``BorderClasses``), so the table is ``(rows, cols, K)``, a few per border,
+    whatever the image's size (a depthwise convolution's compensation would otherwise cost as
+    much as the convolution). Its channels run over ``dst``'s buffer positions (padding
+    repeats the last channel), innermost, so the epilogue's channel vector reads it with one
+    load and no guard."""
     (kh, kw), groups, kg = geo.kernel, geo.groups, geo.k // geo.groups
     zc = te.reduce_axis((0, c_red), "zc")
 
@@ -178,26 +184,53 @@ def conv_compensation(w, geo, dst, c_red: int):
         return te.sum(x.astype("int32"), axis=[zc])
 
     ws = te.compute((geo.k, kh, kw), wsum, name="zp_wsum")
-    spatial = any(any(p) for p in geo.pad)
-    dims = (1, 2, 3) if spatial else (1,)
-    befores = [dst.paddings[d][0] for d in dims]
-    extents = [dst.padded_shape[d] + sum(dst.paddings[d]) for d in dims]
-    lasts = [geo.k - 1, *(o - 1 for o in geo.out)]
+    rows, cols = (BorderClasses(size, out, r, s, p[0], d) for size, out, r, s, p, d in
+                  zip((geo.h, geo.w), geo.out, geo.kernel, geo.stride, geo.pad, geo.dilation))
+    before = dst.paddings[1][0]
+    channels = dst.padded_shape[1] + sum(dst.paddings[1])
     zh, zw = te.reduce_axis((0, kh), "zh"), te.reduce_axis((0, kw), "zw")
 
-    def comp(*p):
-        k, *hw = (tirx.min(tirx.max(x - b, 0), n) for x, b, n in zip(p, befores, lasts))
-        if not spatial:
-            return te.sum(ws[k, zh, zw], axis=[zh, zw])
-        inside = []
-        for o, r, size, s, (before, _), d in zip(hw, (zh, zw), (geo.h, geo.w), geo.stride,
-                                                 geo.pad, geo.dilation):
-            i = o * s - before + r * d
-            inside += [i >= 0, i < size]
-        return te.sum(tirx.if_then_else(tirx.all(*inside), ws[k, zh, zw], 0), axis=[zh, zw])
+    def comp(hc, wc, p):
+        k = tirx.min(tirx.max(p - before, 0), geo.k - 1)
+        inside = rows.inside(hc, zh) + cols.inside(wc, zw)
+        tap = ws[k, zh, zw]
+        if inside:
+            tap = tirx.if_then_else(tirx.all(*inside), tap, 0)
+        return te.sum(tap, axis=[zh, zw])
 
-    table = te.compute(tuple(extents), comp, name="zp_comp")
-    return lambda idx: table[tuple(idx[d] + b for d, b in zip(dims, befores))]
+    table = te.compute((rows.count, cols.count, channels), comp, name="zp_comp")
+    return lambda idx: table[rows.of(idx[2]), cols.of(idx[3]), idx[1] + before]
+
+
+class BorderClasses:
+    """The output rows (or columns) of one spatial dim in classes that see the same taps: rows
+    ``0 .. first - 1`` (their windows start above the image) and ``last + 1 .. out - 1`` (end
+    below it) one class each, the rows between, whose taps all read the image, one class.
+    ``of(o)`` maps a destination index (a halo's too: clamped to the image first) to its
+    class; ``inside(c, r)`` the conditions that tap ``r`` of class ``c``'s row reads the
+    image."""
+
+    def __init__(self, size, out, kernel, stride, pad, dilation):
+        self.size, self.out, self.stride, self.pad, self.dilation = size, out, stride, pad, \
+            dilation
+        first = -(-pad // stride)                                      # ceil(pad / stride)
+        last = min(out - 1, (size - 1 + pad - (kernel - 1) * dilation) // stride)
+        self.first, self.run = first, max(0, last - first)   # rows merged into class `first`
+        self.count = out - self.run
+        self.padded = first > 0 or last < out - 1
+
+    def of(self, o):
+        o = tirx.min(tirx.max(o, 0), self.out - 1)
+        if not self.run:
+            return o
+        return o - tirx.min(tirx.max(o - self.first, 0), self.run)
+
+    def inside(self, c, r) -> list:
+        if not self.padded:
+            return []
+        row = c + tirx.if_then_else(c > self.first, self.run, 0)       # the class's first row
+        i = row * self.stride - self.pad + r * self.dilation
+        return [i >= 0, i < self.size]
 
 
 def matmul_compensation(w, dst, k_red: int):
