@@ -697,3 +697,25 @@ def test_user_policy_graph_takes_clean_flags_and_a_stream(cache, rng):
         on_handle.run(x=xv, stream=stream)
     with pytest.raises(bp.ArgumentError, match="clean= names inputs"):
         g.run(x=xv, clean=["y"])
+
+
+@pytest.mark.parametrize("policy", ["dst_fused", "tracked"])
+def test_few_input_channels_are_read_plain(cache, policy, rng):
+    """An image's 3 channels (at most half a block) go into the first convolution plain, with
+    ``Ohwi16o`` weights and a blocked destination: no reorder of the input, no reduction over
+    a block of zeros; the next convolution stays blocked. 13 channels keep the blocked source
+    (test_conv_block_every_policy_matches_numpy)."""
+    w1, w2 = arr(rng, (24, 3, 3, 3), 0.3), arr(rng, (16, 24, 3, 3), 0.2)
+    g = bp.Graph(policy=policy, cache=cache)
+    x = g.input("x", (1, 3, 11, 9))
+    h = g.relu(g.conv2d(x, g.constant("w1", w1), stride=2, pad=1))
+    g.output(g.conv2d(h, g.constant("w2", w2), pad=1))
+    xv = arr(rng, (1, 3, 11, 9))
+    res = g.run(x=xv)
+    want = ref_conv(np.maximum(ref_conv(xv, w1, pad=1)[:, :, ::2, ::2], 0), w2, pad=1)
+    assert np.allclose(res["conv2d_1"].numpy(), want, atol=1e-4)
+    steps = g.plan(x=xv).steps
+    assert [s.kind for s in steps] == ["kernel", "kernel"]
+    assert [b.layout.tag for b in steps[0].reads[:2]] == ["nchw", "Ohwi16o"]
+    assert steps[0].writes[0].layout.tag == steps[1].reads[0].layout.tag == "nChw16c"
+    assert res.report.fallbacks == {}

@@ -362,7 +362,16 @@ class Conv2d(OpInfo):
             else:
                 wl = self._weights(w, dt, groups, graph.weight_tag(block, groups, depthwise))
             s, d = blocked(src, dt, block), blocked(out_shape, dt, block)
-            lays = [s, wl] + [plain(t[0], t[1]) if len(t[0]) == 1 else d for t in extra] + [d]
+            rest = [plain(t[0], t[1]) if len(t[0]) == 1 else d for t in extra] + [d]
+            if groups == 1 and tile is None and 2 * src[1] <= block:
+                # at most half a block of input channels (an image's 3): read them plain, as
+                # ONNX Runtime's NCHWc convolutions do, rather than reduce over a block of
+                # mostly zeros after a reorder (MobileNetV2's first layer, 1 thread: 0.58 ms
+                # against 2.4 ms plus a 0.17 ms reorder of the image)
+                lays = [plain(src, dt), Layout(f"Ohwi{block}o", tuple(w), dt)] + rest
+                out.append(Candidate(lays[:-1], [d], lambda inplace, lays=lays: self._request(
+                    node, types, lays, graph), args, f"nchw->nChw{block}c"))
+            lays = [s, wl] + rest
             out.append(Candidate(lays[:-1], [d], lambda inplace, lays=lays: self._request(
                 node, types, lays, graph, tile), args, f"nChw{block}c"))
         lays = [plain(src, dt), self._weights(w, dt, groups)] + \
