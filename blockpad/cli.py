@@ -147,8 +147,8 @@ def _info(args):
 
     print(f"{args.dir}: target {manifest['target']['name']}, apache-tvm {manifest['tvm_version']}, "
           f"{len(manifest['kernels'])} kernels")
-    for k in manifest["kernels"]:
-        print(" ", Signature(k))
+    for record in mf.kernel_records(manifest):
+        print(" ", Signature(record))
 
 
 def _check(args):

@@ -133,8 +133,8 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
         "target": {"name": target.name, "tvm": target.tvm, "arch": target.arch,
                    "features": list(target.features)},
         "policy": spec.policy,
-        "kernels": [{**k.describe(), "tuned": tuning[k.name].pop("tuned"),
-                     "tuning": tuning[k.name]} for k in kernels],
+        "kernels": [k.record(tuned=tuning[k.name].pop("tuned"), tuning=tuning[k.name]).to_json()
+                    for k in kernels],
     }
     mf.write(out_dir, manifest)
     size = os.path.getsize(lib_path)

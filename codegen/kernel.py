@@ -8,6 +8,7 @@ import tvm_ffi
 from tvm import te, tirx
 
 from blockpad.layout import Layout
+from blockpad.manifest import ArgRecord, KernelRecord
 from blockpad.vocabulary import OP_ATTR
 
 #: Element types whose arithmetic LLVM does not need for data movement: moved as raw bits.
@@ -23,9 +24,8 @@ class Arg:
     role: str
     storage: str  # element type of the compiled buffer
 
-    def describe(self) -> dict:
-        return {"name": self.name, "role": self.role, "storage": self.storage,
-                "layout": self.layout.describe()}
+    def record(self) -> ArgRecord:
+        return ArgRecord(self.name, self.role, self.layout, self.storage)
 
 
 @dataclass
@@ -38,13 +38,16 @@ class KernelDef:
     contract: dict | None = None   # the padding contract (codegen.policy.PaddingPlan.contract)
     inplace_of: int | None = None  # index of the source the result overwrites
 
-    def describe(self) -> dict:
+    def record(self, **build) -> KernelRecord:
+        """What the manifest says of this kernel (``build``: the build's ``tuned``/``tuning``):
+        an in-place kernel's destination is its ``inout`` source, so it is not listed."""
         args = self.args if self.inplace_of is None else self.args[:-1]
-        d = {"name": self.name, "op": self.op, "params": self.params,
-             "args": [a.describe() for a in args]}
-        if self.contract is not None:
-            d["padding"] = self.contract
-        return d
+        return KernelRecord(self.name, self.op, tuple(a.record() for a in args), self.params,
+                            self.contract, **build)
+
+    def describe(self) -> dict:
+        """The manifest entry's JSON form."""
+        return self.record().to_json()
 
 
 def movement_storage(dtype: str) -> str:

@@ -13,6 +13,7 @@ from blockpad import manifest as mf
 from blockpad.errors import ArgumentError, LoadError
 from blockpad.layout import Layout, numpy_dtype
 from blockpad.machine import gpu_requirement
+from blockpad.manifest import KernelRecord
 
 from . import padding
 from .loadable import check_loadable
@@ -21,29 +22,31 @@ from .tvm_runtime import load_module
 
 
 class Signature:
-    """What a kernel takes, read from the manifest."""
+    """What a kernel takes: its manifest record (``entry``: a ``manifest.KernelRecord``, or
+    the JSON form a manifest holds) and the per-call facts derived from it once."""
 
-    def __init__(self, entry: dict):
-        self.name = entry["name"]
-        self.op = entry["op"]
-        self.params = entry.get("params", {})
-        self.padding = entry.get("padding")   # the padding contract; None for data movement
-        self.args = [(a["name"], a["role"], Layout.from_dict(a["layout"]), a["storage"])
-                     for a in entry["args"]]
+    def __init__(self, entry: KernelRecord | dict):
+        record = entry if isinstance(entry, KernelRecord) else KernelRecord.from_json(entry)
+        self.record = record
+        self.name = record.name
+        self.op = record.op
+        self.params = record.params
+        self.padding = record.padding   # the padding contract; None for data movement
+        self.args = list(record.args)   # ArgRecord: name, role, layout, storage
         self.requires_clean = bool(self.padding and self.padding["requires"] == "clean")
         # argument index pairs at least one of which the kernel writes: they must not overlap
         self.written_pairs = [(i, j) for i in range(len(self.args))
                               for j in range(i + 1, len(self.args))
-                              if (self.args[i][1], self.args[j][1]) != ("in", "in")]
+                              if (self.args[i].role, self.args[j].role) != ("in", "in")]
         # per-call facts, derived once: a small kernel runs in about a microsecond, so the
         # call path must not rederive them
-        self.written = [i for i, a in enumerate(self.args) if a[1] != "in"]
-        self.sources = [i for i, a in enumerate(self.args) if a[1] != "out"]
-        self.padded_sources = [i for i in self.sources if self.args[i][2].has_padding]
+        self.written = [i for i, a in enumerate(self.args) if a.role != "in"]
+        self.sources = [i for i, a in enumerate(self.args) if a.role != "out"]
+        self.padded_sources = [i for i in self.sources if self.args[i].layout.has_padding]
         self.stage = self.padding.get("dst_stage") if self.padding else None
 
     def __repr__(self):
-        args = ", ".join(f"{role} {name}: {lay}" for name, role, lay, _ in self.args)
+        args = ", ".join(f"{a.role} {a.name}: {a.layout}" for a in self.args)
         return f"{self.name}({args})"
 
 
@@ -66,7 +69,7 @@ class Kernel:
         sig = self.signature
         if len(args) != len(sig.args):
             raise ArgumentError(f"{sig.name}: expected {len(sig.args)} arguments "
-                                f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
+                                f"({', '.join(a.name for a in sig.args)}); got {len(args)}")
         if self._gpu:
             return self._run_on_gpu(args, stream)
         mems = self._memories(args)
@@ -84,12 +87,13 @@ class Kernel:
         matched) needs only the writeable check."""
         sig = self.signature
         mems = []
-        for value, spec in zip(args, sig.args):
-            if isinstance(value, Memory) and value.layout is spec[2] and \
-                    (spec[1] == "in" or value.buffer.flags.writeable):
+        for value, arg in zip(args, sig.args):
+            if isinstance(value, Memory) and value.layout is arg.layout and \
+                    (arg.role == "in" or value.buffer.flags.writeable):
                 mems.append(value)
             else:
-                mems.append(_as_memory(value, sig.name, *spec, sig.requires_clean))
+                mems.append(_as_memory(value, sig.name, arg.name, arg.role, arg.layout, arg.storage,
+                                       sig.requires_clean))
         return mems
 
     def _run_on_gpu(self, args, stream):
@@ -107,16 +111,17 @@ class Kernel:
             raise ArgumentError(f"{sig.name}: policy {contract['policy']!r} keeps padding state "
                                 f"in blockpad.Memory objects, which GPU tensors do not carry; "
                                 f"build GPU libraries with policy dst_fused or dst_stage")
-        tensors = [_as_gpu_tensor(value, f"{sig.name}: argument {spec[0]!r}", *spec[1:])
-                   for value, spec in zip(args, sig.args)]
+        tensors = [_as_gpu_tensor(value, f"{sig.name}: argument {arg.name!r}", arg.role,
+                                  arg.layout, arg.storage)
+                   for value, arg in zip(args, sig.args)]
         _check_no_alias(sig, _ranges_overlap([(t.data_ptr(),
-                                                t.data_ptr() + t.numel() * _itemsize(spec[3]))
-                                               for t, spec in zip(tensors, sig.args)]))
+                                                t.data_ptr() + t.numel() * _itemsize(arg.storage))
+                                               for t, arg in zip(tensors, sig.args)]))
         self.run_raw(tensors)
         stage = contract.get("dst_stage") if contract else None
         if stage:
-            for t, spec in zip(tensors, sig.args):
-                if spec[1] != "in":
+            for t, arg in zip(tensors, sig.args):
+                if arg.role != "in":
                     self._library[stage].run_raw([t])
         return None
 
@@ -131,7 +136,7 @@ class Kernel:
         if sig.requires_clean:
             padding.before_call(sig.padding, [mems[i] for i in sig.padded_sources])
         if tensors is None:
-            self._func(*[m.kernel_arg(spec[3])[0] for m, spec in zip(mems, sig.args)])
+            self._func(*[m.kernel_arg(a.storage)[0] for m, a in zip(mems, sig.args)])
         else:
             self._func(*tensors())
         stage = self._library[sig.stage] if sig.stage else None
@@ -146,7 +151,7 @@ class Kernel:
         sig = self.signature
         if len(args) != len(sig.args):
             raise ArgumentError(f"{sig.name}: expected {len(sig.args)} arguments "
-                                f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
+                                f"({', '.join(a.name for a in sig.args)}); got {len(args)}")
         if self._gpu:
             raise ArgumentError(f"{sig.name}: bind() holds host memories; call a GPU kernel "
                                 f"directly with GPU tensors")
@@ -164,21 +169,22 @@ class Kernel:
         sig = self.signature
         if not sig.written_pairs:
             return None
-        spans = [m.kernel_arg(spec[3])[1:] for m, spec in zip(mems, sig.args)]
+        spans = [m.kernel_arg(a.storage)[1:] for m, a in zip(mems, sig.args)]
         overlap = _ranges_overlap(spans)
         for i, j in sig.written_pairs:
             if not overlap(i, j):
                 continue
-            same = sig.args[i][2] == sig.args[j][2] and spans[i][0] == spans[j][0]
-            if same and sig.args[j][1] == "out" and j == len(sig.args) - 1:
+            a, b = sig.args[i], sig.args[j]
+            same = a.layout == b.layout and spans[i][0] == spans[j][0]
+            if same and b.role == "out" and j == len(sig.args) - 1:
                 twin = self._library.inplace_form(sig, i)
                 if twin is not None:
                     return twin
                 if sig.op in _INPLACE_OPS:
                     raise ArgumentError(
-                        f"{sig.name}: {sig.args[i][0]!r} is also passed as {sig.args[j][0]!r}; "
+                        f"{sig.name}: {a.name!r} is also passed as {b.name!r}; "
                         f"this kernel needs separate buffers. To compute in place, build the "
-                        f"kernel with `inplace = true` in its spec entry ({sig.args[i][0]} "
+                        f"kernel with `inplace = true` in its spec entry ({a.name} "
                         f"becomes an inout argument, passed once) and load that library: "
                         f"calls like this one then run it")
             _check_no_alias(sig, overlap)
@@ -200,7 +206,7 @@ class BoundCall:
     def __init__(self, kernel: Kernel, mems):
         self.kernel = kernel
         self.mems = mems
-        self._storages = [spec[3] for spec in kernel.signature.args]
+        self._storages = [a.storage for a in kernel.signature.args]
         self._buffers = [None] * len(mems)
         self._tensors = None
 
@@ -237,9 +243,9 @@ class Library:
         # where the kernels compute: a CUDA library takes GPU tensors, not host memories
         self.device = "cuda" if gpu_requirement(manifest["target"]["features"]) else "cpu"
         self._module = module
-        self.kernels = {k["name"]: Signature(k) for k in manifest["kernels"]}
+        self.kernels = {r.name: Signature(r) for r in mf.kernel_records(manifest)}
         self._cache = {}
-        self._zero_pads = {s.args[0][2]: name for name, s in self.kernels.items()
+        self._zero_pads = {s.args[0].layout: name for name, s in self.kernels.items()
                            if s.op == "zero_pad"}
 
     def __getitem__(self, name) -> Kernel:
@@ -253,11 +259,11 @@ class Library:
         """The kernel computing ``sig`` in place over its argument ``source`` (built with
         ``inplace = true``: same op, parameters, layouts and policy), or None."""
         want = {**sig.params, "inplace": True}
-        args = [(n, "inout" if k == source else r, lay) for k, (n, r, lay, _) in
-                enumerate(sig.args[:-1])]
+        args = [(a.name, "inout" if k == source else a.role, a.layout)
+                for k, a in enumerate(sig.args[:-1])]
         for name, s in self.kernels.items():
             if s.op == sig.op and s.params == want and s.padding == sig.padding and \
-                    [a[:3] for a in s.args] == args:
+                    [(a.name, a.role, a.layout) for a in s.args] == args:
                 return self[name]
         return None
 
@@ -417,8 +423,8 @@ def _check_no_alias(sig: Signature, overlap):
     ``overlap(i, j)``: whether arguments ``i`` and ``j`` share memory."""
     for i, j in sig.written_pairs:
         if overlap(i, j):
-            raise ArgumentError(f"{sig.name}: arguments {sig.args[i][0]!r} and "
-                                f"{sig.args[j][0]!r} overlap in memory; this kernel needs "
+            raise ArgumentError(f"{sig.name}: arguments {sig.args[i].name!r} and "
+                                f"{sig.args[j].name!r} overlap in memory; this kernel needs "
                                 f"separate buffers")
 
 

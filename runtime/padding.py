@@ -26,7 +26,7 @@ def zero_pad(mem: Memory, blocking: bool = False) -> None:
     start = time.perf_counter()
     kernel = mem.library.zero_pad_kernel(lay) if mem.library is not None else None
     if kernel is not None:
-        kernel.run_raw([mem.physical_view(kernel.signature.args[0][3])])
+        kernel.run_raw([mem.physical_view(kernel.signature.args[0].storage)])
     else:
         mem.buffer[lay.padding_offsets()] = 0
     counters.record(len(lay.padding_offsets()) * lay.itemsize, time.perf_counter() - start,
@@ -66,7 +66,7 @@ def after_call(contract: dict | None, sources: list, dst: Memory, stage) -> None
 
 def _run_stage(kernel, dst: Memory) -> None:
     start = time.perf_counter()
-    kernel.run_raw([dst.physical_view(kernel.signature.args[0][3])])
+    kernel.run_raw([dst.physical_view(kernel.signature.args[0].storage)])
     lay = dst.layout
     counters.record(len(lay.padding_offsets()) * lay.itemsize, time.perf_counter() - start, False)
 

@@ -189,7 +189,7 @@ def _bound(lib, kernel, arrays):
         else:
             mem = bp.Memory.from_numpy(arrays[name], lay)
         mems.append(mem)
-    dst = lib.memory(kernel.signature.args[-1][2])
+    dst = lib.memory(kernel.signature.args[-1].layout)
     return kernel.bind(*mems, dst), dst
 
 

@@ -57,7 +57,7 @@ def main(repeat=7, threads=None, target=None, out_dir="build/bench-ops"):
         calls = {}
         for variant in ("nopad", "dst_fused", "dst_stage"):
             k = lib[f"{name}_{variant}"]
-            src_l, dst_l = k.signature.args[0][2], k.signature.args[-1][2]
+            src_l, dst_l = k.signature.args[0].layout, k.signature.args[-1].layout
             src = bp.Memory.from_numpy(rng.standard_normal(src_l.shape).astype("float32"), src_l)
             dst = bp.Memory.empty(dst_l)
             calls[variant] = (lambda k=k, s=src, d=dst: k(s, d))

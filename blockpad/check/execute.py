@@ -83,7 +83,7 @@ class Emulated:
         from blockpad.runtime.library import Signature
 
         self.dir = lib_dir
-        self.kernels = {k["name"]: Signature(k) for k in mf.read(lib_dir)["kernels"]}
+        self.kernels = {r.name: Signature(r) for r in mf.kernel_records(mf.read(lib_dir))}
 
     def signature(self, name):
         return self.kernels[name]
@@ -96,11 +96,11 @@ class Emulated:
         from blockpad.testing import qemu
 
         contract = sig.padding
-        sources = [m for m, a in zip(mems, sig.args) if a[1] in ("in", "inout")]
+        sources = [m for m, a in zip(mems, sig.args) if a.role in ("in", "inout")]
         padding.before_call(contract, [m for m in sources if m.layout.has_padding])
         calls = [(sig.name, mems)]
         stage = contract.get("dst_stage") if contract else None
-        written = [m for m, a in zip(mems, sig.args) if a[1] != "in"]
+        written = [m for m, a in zip(mems, sig.args) if a.role != "in"]
         calls += [(stage, [m]) for m in written if stage]
         try:
             qemu.run_many(self.dir, calls)
@@ -170,7 +170,7 @@ def _dot_terms(sig) -> int:
     (K, C, KH, KW) or (G, K/G, C/G, KH, KW)."""
     if sig.op not in ("conv2d", "matmul"):
         return 1
-    w = sig.args[1][2].shape
+    w = sig.args[1].layout.shape
     return w[0] if sig.op == "matmul" else int(np.prod(w[-3:]))
 
 

@@ -200,7 +200,7 @@ def run_many(lib_dir, calls, timeout: float = 300, tasks: int = TASKS) -> list[i
         raise ArgumentError(f"{lib_dir}: library is for {arch} (target "
                             f"{manifest['target'].get('name')!r}); run_aarch64 runs aarch64 "
                             f"libraries only")
-    signatures = {k["name"]: Signature(k) for k in manifest["kernels"]}
+    signatures = {r.name: Signature(r) for r in mf.kernel_records(manifest)}
     lib = os.path.abspath(os.path.join(lib_dir, manifest["library"]))
     with tempfile.TemporaryDirectory(prefix="blockpad-aarch64-") as tmp:
         lines, outputs = [], []
@@ -212,7 +212,7 @@ def run_many(lib_dir, calls, timeout: float = 300, tasks: int = TASKS) -> list[i
             sig = signatures[name]
             if len(args) != len(sig.args):
                 raise ArgumentError(f"{name}: expected {len(sig.args)} arguments "
-                                    f"({', '.join(a[0] for a in sig.args)}); got {len(args)}")
+                                    f"({', '.join(a.name for a in sig.args)}); got {len(args)}")
             words = [name]
             for value, (arg, role, layout, storage) in zip(args, sig.args):
                 where = f"{name}: argument {arg!r}"
