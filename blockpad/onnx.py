@@ -26,6 +26,10 @@ Softmax                ``softmax`` over ``axis``
 Identity, Dropout      nothing (the name is the input's)
 =====================  ===========================================================================
 
+Quantized models (QDQ as ``quantize_static`` writes them, or QLinearConv / QLinearAdd / QGemm /
+QLinearGlobalAveragePool) import onto int8 kernels with ONNX Runtime's integer results: see
+``blockpad.onnx_int8``.
+
 An op, an attribute or an attribute value this module does not handle raises
 ``UnsupportedModelError`` naming the node, the op, the attribute and the opset while the graph
 is being built (kernels are compiled only when it first runs), so nothing is compiled for a
@@ -42,6 +46,8 @@ from pathlib import Path
 import numpy as np
 
 from blockpad.errors import BlockpadError
+from blockpad.onnx_int8 import ATTRS as INT8_ATTRS
+from blockpad.onnx_int8 import MS_OPS, QuantizedOps
 
 MIN_OPSET = 13
 MAX_OPSET = 23      # the newest opset whose changes to these ops this module knows
@@ -105,10 +111,11 @@ def _nodes(proto, opset):
     out = []
     for i, n in enumerate(proto.graph.node):
         name = n.name or f"{n.op_type}_{i}"
-        if n.domain not in ("", "ai.onnx"):
+        if n.domain not in ("", "ai.onnx") and not (n.domain == "com.microsoft" and
+                                                    n.op_type in MS_OPS):
             raise UnsupportedModelError(f"ONNX node {name!r} ({n.op_type}, domain {n.domain!r}, "
-                                        f"opset {opset}): only the default ONNX domain is "
-                                        f"supported")
+                                        f"opset {opset}): only the default ONNX domain (and "
+                                        f"com.microsoft's {', '.join(MS_OPS)}) is supported")
         attrs = {}
         for a in n.attribute:
             value = onnx.helper.get_attribute_value(a)
@@ -142,7 +149,7 @@ def from_onnx(model, input_shapes=None, **options):
 _ELEM = {1: "float32"}   # TensorProto.FLOAT; the importer is fp32
 
 
-class _Importer:
+class _Importer(QuantizedOps):
     def __init__(self, proto, nodes, input_shapes):
         onnx = _onnx()
         self.proto, self.nodes = proto, nodes
@@ -183,7 +190,8 @@ class _Importer:
 
     def build(self, g):
         self.g = g
-        self.env = {}               # ONNX name -> ("t", Tensor) or ("c", array)
+        self.env = {}               # ONNX name -> ("t", Tensor), ("c", array), ("q", Quantized)
+        #                             or ("qc", QConst): see blockpad.onnx_int8
         for name, (shape, dtype) in self.inputs.items():
             self.env[name] = ("t", g.input(name, shape, dtype))
         self.folded = set()         # BatchNormalization nodes folded into their convolution
@@ -205,8 +213,10 @@ class _Importer:
         outs = []
         for o in self.outputs:
             kind, v = self.env[o]
-            if kind == "c":
+            if kind in ("c", "qc"):
                 raise UnsupportedModelError(f"graph output {o!r} is a constant")
+            if kind == "q":
+                v = self._float_tensor(v.node, o, v) if v.dq else v.tensor
             outs.append(v)
         g.output(*outs)
 
@@ -216,6 +226,8 @@ class _Importer:
         if not name:
             return None
         kind, v = self._value(node, name)
+        if kind == "qc":
+            return v.dequantized()
         if kind != "c":
             node.fail(f"input {i} ({what}) must be a constant (an initializer or a Constant "
                       f"node); it is computed")
@@ -223,6 +235,8 @@ class _Importer:
 
     def _tensor(self, node, i):
         kind, v = self._value(node, node.inputs[i])
+        if kind == "q":
+            return self._float_tensor(node, node.inputs[i], v)
         if kind != "t":
             node.fail(f"input {i} is a constant; blockpad computes this op on graph values only")
         return v
@@ -239,11 +253,14 @@ class _Importer:
         return tuple(t.shape)
 
     def _param(self, node, label, array):
-        """A constant the graph holds (weights, bias, a broadcast operand)."""
+        """A constant the graph holds (weights, bias, a broadcast operand): float32, or the
+        integers of a quantized model (int8 weights, int32 bias) as they are."""
         name = f"{node.name}.{label}"
         while name in self.g._types:
             name += "_"
-        return self.g.constant(name, np.ascontiguousarray(array, dtype=np.float32))
+        integer = np.issubdtype(np.asarray(array).dtype, np.integer)
+        return self.g.constant(name, np.ascontiguousarray(array, dtype=None if integer
+                                                          else np.float32))
 
     def _emit(self, node, method, *args, output=0, **kw):
         """Add one graph op for ``node``; its shape errors name the node."""
@@ -273,7 +290,20 @@ class _Importer:
             node.fail(f"only output(s) 0..{allowed - 1} may be used; the model reads {extra}")
 
     # -- ops --
+    def _is_q(self, node, *inputs) -> bool:
+        """Whether the inputs are 8-bit values (a QDQ group's dequantized inputs)."""
+        return all(i < len(node.inputs) and node.inputs[i] in self.env and
+                   self.env[node.inputs[i]][0] == "q" for i in inputs)
+
     def _op_Conv(self, node):
+        if self._is_q(node, 0):
+            kind, w = self._value(node, node.inputs[1])
+            shape = self.env[node.inputs[0]][1].tensor.shape
+            k = tuple(w.values.shape[2:]) if kind == "qc" else (1, 1)
+            stride, dilation = _ints(node, "strides", 2, 1), _ints(node, "dilations", 2, 1)
+            self._qdq_conv(node, stride, _pads(node, shape[2:], k, stride, dilation), dilation,
+                           int(node.attrs.get("group", 1)))
+            return
         x = self._tensor(node, 0)
         w = self._const(node, 1, "weights")
         b = self._const(node, 2, "bias")
@@ -381,6 +411,9 @@ class _Importer:
         self._binary(node, "mul")
 
     def _binary(self, node, algorithm):
+        if algorithm == "add" and self._is_q(node, 0, 1):
+            self._qdq_add(node)
+            return
         kinds = [self._value(node, v) for v in node.inputs[:2]]
         tensors = [v for k, v in kinds if k == "t"]
         if not tensors:
@@ -443,19 +476,28 @@ class _Importer:
                    exclude_pad=exclude_pad, ceil_mode=bool(a.get("ceil_mode", 0)))
 
     def _op_GlobalAveragePool(self, node):
+        if self._is_q(node, 0):
+            self._qdq_avg_pool(node)
+            return
         x = self._tensor(node, 0)
         if len(self._shape(x)) != 4:
             node.fail(f"only 2-D images are supported; the input is {self._shape(x)}")
         self._emit(node, "global_avg_pool", x)
 
     def _op_Flatten(self, node):
-        x = self._tensor(node, 0)
+        q = self.env[node.inputs[0]][1] if self._is_q(node, 0) else None
+        x = q.tensor if q else self._tensor(node, 0)
         shape = self._shape(x)
         axis = int(node.attrs.get("axis", 1)) % (len(shape) + 1)
-        self._emit(node, "reshape", x, (math.prod(shape[:axis]), math.prod(shape[axis:])))
+        new = (math.prod(shape[:axis]), math.prod(shape[axis:]))
+        if q:
+            self._reshape_q(node, q, new)
+        else:
+            self._emit(node, "reshape", x, new)
 
     def _op_Reshape(self, node):
-        x = self._tensor(node, 0)
+        q = self.env[node.inputs[0]][1] if self._is_q(node, 0) else None
+        x = q.tensor if q else self._tensor(node, 0)
         shape = self._shape(x)
         new = self._const(node, 1, "shape")
         if new is None:
@@ -466,13 +508,22 @@ class _Importer:
         new = [shape[i] if s == 0 else s for i, s in enumerate(new)]
         if new.count(-1) > 1:
             node.fail(f"the shape {new} has more than one -1")
-        self._emit(node, "reshape", x, new)
+        if q:
+            self._reshape_q(node, q, new)
+        else:
+            self._emit(node, "reshape", x, new)
 
     def _op_Gemm(self, node):
         a = node.attrs
-        x = self._tensor(node, 0)
         if a.get("transA", 0):
             node.fail("transA = 1 (a transposed activation) is not supported", "transA")
+        if self._is_q(node, 0):
+            if float(a.get("alpha", 1.0)) != 1.0 or float(a.get("beta", 1.0)) != 1.0:
+                node.fail("alpha and beta must be 1 between DequantizeLinear and "
+                          "QuantizeLinear", "alpha")
+            self._qdq_matmul(node, 1, bool(a.get("transB", 0)), 2)
+            return
+        x = self._tensor(node, 0)
         w = self._const(node, 1, "B").astype(np.float32)
         if w.ndim != 2:
             node.fail(f"B must be 2-D; got {w.shape}")
@@ -490,6 +541,9 @@ class _Importer:
         self._matmul(node, x, w, bias)
 
     def _op_MatMul(self, node):
+        if self._is_q(node, 0):
+            self._qdq_matmul(node, 1, False, None)
+            return
         x = self._tensor(node, 0)
         w = self._const(node, 1, "B")
         if w.ndim != 2 or len(self._shape(x)) != 2:
@@ -540,6 +594,7 @@ _ATTRS = {
     "Softmax": {"axis"},
     "Dropout": {"seed"},
     "Constant": {"value"},
+    **INT8_ATTRS,
 }
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blockpad import winograd
+from blockpad import qlinear, winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
 from blockpad.vocabulary import with_defaults
@@ -164,9 +164,11 @@ class Binary(OpInfo):
 
     def inplace_inputs(self, node, types):
         """The kernel overwrites src0; add and mul commute, so an src1 of the result's shape
-        may be overwritten too (the graph swaps the operands)."""
+        may be overwritten too (the graph swaps the operands). A quantized add does not: each
+        operand has its own scale, and its two fmas round differently swapped."""
         out = self.infer(node, types)[0][0]
-        return [i for i in (0, 1) if tuple(types[i][0]) == tuple(out)]
+        return [i for i in ((0,) if _quantized(node) else (0, 1))
+                if tuple(types[i][0]) == tuple(out)]
 
     def choices(self, node, types, homes, graph):
         (s0, dt), (s1, _) = types
@@ -182,7 +184,7 @@ class Binary(OpInfo):
         out = []
         for l0, l1, ld in picks:
             def req(inplace, l0=l0, l1=l1, ld=ld):
-                params = {"algorithm": node.attrs["algorithm"]}
+                params = {"algorithm": node.attrs["algorithm"], **_quantized(node)}
                 if inplace:
                     params["inplace"] = True
                 return Request.make("binary", [("src0", l0), ("src1", l1), ("dst", ld)],
@@ -192,8 +194,76 @@ class Binary(OpInfo):
         return out
 
     def reference(self, node, arrays):
+        q = _quantized(node)
+        if q:
+            (s0, s1, sd), (z0, z1, zd) = q["scales"], q["zero_points"]
+            return [qlinear.add(*arrays, qlinear.add_params(s0, z0, s1, z1, sd, zd),
+                                arrays[0].dtype)]
         a, b = (x.astype(np.float64) for x in arrays)
         return [a + b if node.attrs["algorithm"] == "add" else a * b]
+
+
+def _quantized(node) -> dict:
+    """A quantized add's ``scales`` and ``zero_points`` ([src0, src1, dst]), or {}."""
+    a = node.attrs
+    return {"scales": list(a["scales"]), "zero_points": list(a["zero_points"])} \
+        if a.get("scales") is not None else {}
+
+
+# ---- quantize / dequantize --------------------------------------------------------------------
+
+class _Convert(OpInfo):
+    """An elementwise change of type at a quantized model's float edge (codegen/ops/quantize.py:
+    ONNX Runtime's QuantizeLinear / DequantizeLinear); follows its input's layout."""
+
+    def out_dtype(self, node, dtype) -> str:
+        raise NotImplementedError
+
+    def infer(self, node, types):
+        (shape, dt), = types
+        return [(shape, self.out_dtype(node, dt))]
+
+    def _params(self, node):
+        a = node.attrs
+        return {"scale": float(a["scale"]), "zero_point": int(a["zero_point"]),
+                **({"dst_dtype": a["dtype"]} if self.name == "quantize" else {})}
+
+    def choices(self, node, types, homes, graph):
+        (shape, dt), = types
+        out = []
+        for lay in _follow(homes[0]):
+            d = Layout(lay.tag, shape, self.out_dtype(node, dt))
+            out.append(Candidate([lay], [d], lambda inplace, lay=lay, d=d: Request.make(
+                self.name, [("src", lay), ("dst", d)], self._params(node), graph.policy),
+                [("in", 0), ("out", 0)], "plain" if lay.is_plain else "blocked"))
+        return out
+
+
+class Quantize(_Convert):
+    name = "quantize"
+
+    def out_dtype(self, node, dtype):
+        if dtype != "float32" or node.attrs["dtype"] not in ("uint8", "int8"):
+            raise ArgumentError(f"{node.name}: quantize takes float32 to uint8 or int8; got "
+                                f"{dtype} to {node.attrs['dtype']}")
+        return node.attrs["dtype"]
+
+    def reference(self, node, arrays):
+        a = node.attrs
+        return [qlinear.quantize(arrays[0], a["scale"], a["zero_point"], a["dtype"])]
+
+
+class Dequantize(_Convert):
+    name = "dequantize"
+
+    def out_dtype(self, node, dtype):
+        if dtype not in ("uint8", "int8"):
+            raise ArgumentError(f"{node.name}: dequantize takes uint8 or int8; got {dtype}")
+        return "float32"
+
+    def reference(self, node, arrays):
+        a = node.attrs
+        return [qlinear.dequantize(arrays[0], a["scale"], a["zero_point"])]
 
 
 # ---- softmax ----------------------------------------------------------------------------------
@@ -271,8 +341,47 @@ def conv_ref(x, w, bias=None, stride=(1, 1), pad=(0, 0), dilation=(1, 1), groups
     return out
 
 
+# ---- integer convolution and matmul: the quantization attributes ------------------------------
+
+def quant_types(node, types, channels) -> str:
+    """For a node with quantization attributes (``attrs["quant"]``, codegen/ops/quant.py's
+    names): check the integer source, int8 weights and the ``scale`` input (index 2: (K,) per
+    channel, (1,) per tensor); the destination's dtype."""
+    q = node.attrs["quant"]
+    (_, dt), (_, wdt), (sshape, sdt) = types[:3]
+    if dt not in ("uint8", "int8") or wdt != "int8":
+        raise ArgumentError(f"{node.name}: quantization attributes need a uint8/int8 source and "
+                            f"int8 weights; got {dt} and {wdt}")
+    want = (channels,) if q.get("scales", "channel") == "channel" else (1,)
+    if tuple(sshape) != want or sdt != "float32":
+        raise ArgumentError(f"{node.name}: the scale must be float32 {want}; got {sdt} "
+                            f"{tuple(sshape)}")
+    return q.get("dst_dtype") or "float32"
+
+
+def requantize_ref(node, acc, scale, axis=1):
+    """The integer kernels' epilogue on the exact int32 accumulator ``acc`` (bias in):
+    ``float32(acc) * scale``, then ``/ dst_scale``, round half to even, ``+ dst_zero_point``,
+    saturate (codegen/ops/quant.py's order)."""
+    q = node.attrs["quant"]
+    shape = [1] * acc.ndim
+    shape[axis] = -1
+    v = acc.astype(np.float32) * np.asarray(scale, np.float32).reshape(shape)
+    if float(q.get("dst_scale", 1.0)) != 1.0:
+        v = v / np.float32(q["dst_scale"])
+    dst = q.get("dst_dtype") or "float32"
+    if dst == "float32":
+        return v + np.float32(q.get("dst_zero_point", 0))
+    return qlinear.saturate(np.rint(v).astype(np.int64) + int(q.get("dst_zero_point", 0)), dst)
+
+
+def _int32_bias(post_ops) -> bool:
+    return any(p["kind"] == "bias" and p.get("dtype") == "int32" for p in post_ops)
+
+
 class Conv2d(OpInfo):
-    """Inputs: src (NCHW), weights ((K, C/groups, KH, KW), PyTorch's convention), then bias
+    """Inputs: src (NCHW), weights ((K, C/groups, KH, KW), PyTorch's convention), then, with
+    quantization attributes (``attrs["quant"]``), the float32 ``scale``, then bias
     ((K,)) and the sum post-op's tensor if the node has them. Blocked: ``nChw<b>c`` source and
     destination with ``Graph.weight_tag``'s weights (``OIhw<b>i<b>o``; grouped ``gOIhw<b>i<b>o``,
     depthwise ``Goihw<b>g``); plain: ``nchw`` with ``oihw`` (``goihw`` when grouped)."""
@@ -285,16 +394,20 @@ class Conv2d(OpInfo):
         if len(src) != 4 or len(w) != 4:
             raise ArgumentError(f"{node.name}: conv2d takes an NCHW source and (K, C/groups, KH, "
                                 f"KW) weights; got shapes {src} and {w}")
-        if dt not in ("float32", "float16", "bfloat16", "float64") or wdt != dt:
+        out_dt = dt
+        if a.get("quant") is not None:
+            out_dt = quant_types(node, types, w[0])
+        elif dt not in ("float32", "float16", "bfloat16", "float64") or wdt != dt:
             raise ArgumentError(f"{node.name}: graph convolutions are floating point with "
-                                f"weights of the source's dtype; got {dt} and {wdt}")
+                                f"weights of the source's dtype (or integer with quantization "
+                                f"attributes); got {dt} and {wdt}")
         if src[1] != w[1] * a["groups"] or w[0] % a["groups"]:
             raise ArgumentError(f"{node.name}: source has {src[1]} channels; weights {w} with "
                                 f"groups={a['groups']} take {w[1] * a['groups']}")
         out = conv_out_shape(src, w[0], w[2:], a["stride"], a["pad"], a["dilation"])
         if min(out) < 1:
             raise ArgumentError(f"{node.name}: the kernel does not fit the padded image")
-        k = 2
+        k = 3 if a.get("quant") is not None else 2
         if a["bias"]:
             if tuple(types[k][0]) != (w[0],):
                 raise ArgumentError(f"{node.name}: bias must be ({w[0]},); got {types[k][0]}")
@@ -307,7 +420,7 @@ class Conv2d(OpInfo):
                                 f"1, dilation 1, groups 1 and float32; got kernel {list(w[2:])}, "
                                 f"stride {list(a['stride'])}, dilation {list(a['dilation'])}, "
                                 f"groups {a['groups']}, {dt}")
-        return [(out, dt)]
+        return [(out, out_dt)]
 
     @staticmethod
     def _winograd_fits(a, w, dt) -> bool:
@@ -330,11 +443,13 @@ class Conv2d(OpInfo):
     def _request(self, node, types, lays, graph, tile=None):
         a = node.attrs
         (src, dt), (w, _) = types[:2]
-        names = ["src", "weights"] + (["bias"] if a["bias"] else []) + \
-            (["sum"] if a["sum"] else []) + ["dst"]
+        q = a.get("quant")
+        names = ["src", "weights"] + (["scale"] if q is not None else []) + \
+            (["bias"] if a["bias"] else []) + (["sum"] if a["sum"] else []) + ["dst"]
         params = {"channels": int(w[0]), "kernel": list(w[2:]), "stride": list(a["stride"]),
                   "pad": pad_sides_param(a["pad"]), "dilation": list(a["dilation"]),
-                  "groups": int(a["groups"]), "post_ops": [dict(p) for p in a["post_ops"]]}
+                  "groups": int(a["groups"]), "post_ops": [dict(p) for p in a["post_ops"]],
+                  **(q or {})}
         if tile is not None:
             params.update(algorithm="winograd", winograd_tile=tile)
         return Request.make("conv2d", list(zip(names, lays)), params, graph.policy, shape=src,
@@ -348,9 +463,9 @@ class Conv2d(OpInfo):
 
     def choices(self, node, types, homes, graph):
         a = node.attrs
-        (src, dt), (w, _) = types[:2]
+        (src, dt), (w, wdt) = types[:2]
         groups = a["groups"]
-        out_shape = self.infer(node, types)[0][0]
+        out_shape, out_dt = self.infer(node, types)[0]
         extra = types[2:]
         args = [("in", i) for i in range(len(types))] + [("out", 0)]
         depthwise = groups > 1 and groups == src[1] == w[0]
@@ -360,22 +475,22 @@ class Conv2d(OpInfo):
             if tile is not None:   # Winograd-domain weights, transformed once (graph.py)
                 wl = winograd.weights_layout(w[0], w[1], tile, block, dt)
             else:
-                wl = self._weights(w, dt, groups, graph.weight_tag(block, groups, depthwise))
-            s, d = blocked(src, dt, block), blocked(out_shape, dt, block)
+                wl = self._weights(w, wdt, groups, graph.weight_tag(block, groups, depthwise))
+            s, d = blocked(src, dt, block), blocked(out_shape, out_dt, block)
             rest = [plain(t[0], t[1]) if len(t[0]) == 1 else d for t in extra] + [d]
             if groups == 1 and tile is None and 2 * src[1] <= block:
                 # at most half a block of input channels (an image's 3): read them plain, as
                 # ONNX Runtime's NCHWc convolutions do, rather than reduce over a block of
                 # mostly zeros after a reorder (MobileNetV2's first layer, 1 thread: 0.58 ms
                 # against 2.4 ms plus a 0.17 ms reorder of the image)
-                lays = [plain(src, dt), Layout(f"Ohwi{block}o", tuple(w), dt)] + rest
+                lays = [plain(src, dt), Layout(f"Ohwi{block}o", tuple(w), wdt)] + rest
                 out.append(Candidate(lays[:-1], [d], lambda inplace, lays=lays: self._request(
                     node, types, lays, graph), args, f"nchw->nChw{block}c"))
             lays = [s, wl] + rest
             out.append(Candidate(lays[:-1], [d], lambda inplace, lays=lays: self._request(
                 node, types, lays, graph, tile), args, f"nChw{block}c"))
-        lays = [plain(src, dt), self._weights(w, dt, groups)] + \
-            [plain(t[0], t[1]) for t in extra] + [plain(out_shape, dt)]
+        lays = [plain(src, dt), self._weights(w, wdt, groups)] + \
+            [plain(t[0], t[1]) for t in extra] + [plain(out_shape, out_dt)]
         out.append(Candidate(lays[:-1], [lays[-1]], lambda inplace, lays=lays: self._request(
             node, types, lays, graph), args, "plain"))
         return out
@@ -384,10 +499,25 @@ class Conv2d(OpInfo):
         a = node.attrs
         x, w, *rest = arrays
         w = w.reshape(w.shape[0] if w.ndim == 4 else w.shape[0] * w.shape[1], *w.shape[-3:])
+        if a.get("quant") is not None:
+            return [self._quantized_ref(node, x, w, rest)]
         bias = rest.pop(0) if a["bias"] else None
         summ = rest.pop(0) if a["sum"] else None
         return [conv_ref(x, w, bias, a["stride"], a["pad"], a["dilation"], a["groups"],
                          a["post_ops"], summ)]
+
+    @staticmethod
+    def _quantized_ref(node, x, w, rest):
+        """int32 bias and requantization only: the chains quantized models import."""
+        a = node.attrs
+        if a["sum"] or any(p["kind"] != "bias" for p in a["post_ops"]) or \
+                (a["bias"] and not _int32_bias(a["post_ops"])):
+            raise ArgumentError(f"{node.name}: the numpy reference of an integer convolution "
+                                f"takes an int32 bias and no other post-op")
+        scale, bias = rest[0], (rest[1] if a["bias"] else None)
+        acc = qlinear.conv_acc(x, node.attrs["quant"].get("src_zero_point", 0), w, bias,
+                               a["stride"], pad_sides(a["pad"]), a["dilation"], a["groups"])
+        return requantize_ref(node, acc, scale)
 
 
 # ---- pooling ----------------------------------------------------------------------------------
@@ -478,29 +608,43 @@ class Matmul(OpInfo):
         (src, dt), (w, wdt) = types[:2]
         if len(src) != 2 or len(w) != 2 or src[1] != w[0]:
             raise ArgumentError(f"{node.name}: matmul takes (M, K) and (K, N); got {src} and {w}")
-        if wdt != dt or dt not in ("float32", "float64", "float16"):
+        q = node.attrs.get("quant")
+        out_dt = dt
+        if q is not None:
+            out_dt = quant_types(node, types, w[1])
+        elif wdt != dt or dt not in ("float32", "float64", "float16"):
             raise ArgumentError(f"{node.name}: graph matmuls are floating point with weights "
-                                f"of the source's dtype; got {dt} and {wdt}")
-        if node.attrs["bias"] and tuple(types[2][0]) != (w[1],):
-            raise ArgumentError(f"{node.name}: bias must be ({w[1]},); got {types[2][0]}")
-        return [((src[0], w[1]), dt)]
+                                f"of the source's dtype (or integer with quantization "
+                                f"attributes); got {dt} and {wdt}")
+        b = 3 if q is not None else 2
+        if node.attrs["bias"] and tuple(types[b][0]) != (w[1],):
+            raise ArgumentError(f"{node.name}: bias must be ({w[1]},); got {types[b][0]}")
+        return [((src[0], w[1]), out_dt)]
 
     def choices(self, node, types, homes, graph):
-        (src, dt), (w, _) = types[:2]
-        out_shape = self.infer(node, types)[0][0]
-        names = ["src", "weights"] + (["bias"] if node.attrs["bias"] else []) + ["dst"]
+        (src, dt), (w, wdt) = types[:2]
+        out_shape, out_dt = self.infer(node, types)[0]
+        q = node.attrs.get("quant")
+        names = ["src", "weights"] + (["scale"] if q is not None else []) + \
+            (["bias"] if node.attrs["bias"] else []) + ["dst"]
         args = [("in", i) for i in range(len(types))] + [("out", 0)]
         out = []
         for wtag in ([] if graph.layouts == "plain" else ["Ba16b"]) + ["ab"]:
-            lays = [plain(src, dt), Layout(wtag, w, dt)] + \
-                [plain(t[0], t[1]) for t in types[2:]] + [plain(out_shape, dt)]
+            lays = [plain(src, dt), Layout(wtag, w, wdt)] + \
+                [plain(t[0], t[1]) for t in types[2:]] + [plain(out_shape, out_dt)]
             out.append(Candidate(lays[:-1], lays[-1:], lambda inplace, lays=lays: Request.make(
                 "matmul", list(zip(names, lays)), {"n": int(w[1]),
-                                                   "post_ops": node.attrs["post_ops"]},
+                                                   "post_ops": node.attrs["post_ops"],
+                                                   **(q or {})},
                 graph.policy), args, "blocked" if wtag != "ab" else "plain"))
         return out
 
     def reference(self, node, arrays):
+        if node.attrs.get("quant") is not None:
+            x, w, scale, *bias = arrays
+            acc = qlinear.matmul_acc(x, node.attrs["quant"].get("src_zero_point", 0), w,
+                                     bias[0] if node.attrs["bias"] else None)
+            return [requantize_ref(node, acc, scale)]
         x, w, *rest = (a.astype(np.float64) for a in arrays)
         out = x @ w
         for p in node.attrs["post_ops"]:
@@ -600,4 +744,4 @@ class Custom(OpInfo):
 
 GRAPH_OPS = {"eltwise": Eltwise(), "binary": Binary(), "softmax": Softmax(), "conv2d": Conv2d(),
              "pool": Pool(), "matmul": Matmul(), "reshape": Reshape(), "concat": Concat(),
-             "custom": Custom()}
+             "quantize": Quantize(), "dequantize": Dequantize(), "custom": Custom()}

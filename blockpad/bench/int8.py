@@ -1,0 +1,163 @@
+"""``blockpad bench int8``: int8 ResNet-50 and MobileNetV2 (batch 1) for blockpad, against ONNX
+Runtime's int8 and blockpad's own fp32, at 1 thread and at every core.
+
+The networks are ``blockpad.models``' (random weights, exported by PyTorch), quantized by
+``blockpad.models.quantized.quantize`` (QDQ, per-channel 7-bit weights, uint8 activations
+calibrated on random inputs). Contenders, each in its own process (``bench model``'s reasons):
+
+* ``blockpad int8``: the QDQ model through ``bp.Graph.from_onnx`` (kernels compiled into the
+  kernel cache by the parent first; the child plans and loads them);
+* ``onnxruntime int8``: the same QDQ model, default session options (it fuses the QDQ groups
+  into its integer kernels);
+* ``blockpad fp32``: the float model built ahead of time, as ``bench model`` runs it.
+
+Each process reports ms per inference (median of its rounds); blockpad int8's output is
+compared with ONNX Runtime's (the share of logits that differ: 0 when the import is exact).
+Needs PyTorch and onnxruntime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from .common import batch_size, table
+
+MODELS = ("resnet50", "mobilenet_v2")
+INT8 = ("blockpad int8", "onnxruntime int8")
+OUT = os.path.join("build", "bench_int8")
+
+
+def _contender(name, args, x):
+    """A function making one inference (numpy in, numpy out)."""
+    if name == "onnxruntime int8":
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = args.threads
+        sess = ort.InferenceSession(args.onnx, opts, providers=["CPUExecutionProvider"])
+        feed = {sess.get_inputs()[0].name: x}
+        return lambda: sess.run(None, feed)[0]
+    import blockpad as bp
+
+    g = bp.Graph.from_onnx(args.onnx)
+    feed = {next(iter(g.inputs)): x}
+    return lambda: g(feed)
+
+
+def child(args) -> dict:
+    x = np.load(args.input)
+    run = _contender(args.child, args, x)
+    np.save(args.output, run())
+    n = batch_size(run)
+    times = []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            run()
+        times.append((time.perf_counter() - t0) / n)
+    return {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times)}
+
+
+def _spawn(name, threads, paths, args) -> dict:
+    env = {**os.environ, "TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    out = os.path.join(paths["work"], f"y_{name.replace(' ', '_')}_{threads}.npy")
+    cmd = [sys.executable, "-m", "blockpad.bench.int8", "--child", name, "--threads",
+           str(threads), "--repeat", str(args.repeat), "--onnx", paths["int8"], "--input",
+           paths["input"], "--output", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r["y"] = out
+    return r
+
+
+def prepare(name, batch, hw, seed, target, log=print) -> dict:
+    """The fp32 model built ahead of time (``bench model``'s ``prepare``), its quantized QDQ
+    form, and blockpad's int8 kernels compiled into the kernel cache."""
+    import onnx
+
+    import blockpad as bp
+    from blockpad.models import quantized
+
+    from . import model
+
+    paths = model.prepare(name, batch, hw, seed, target, log)
+    int8 = os.path.join(paths["work"], f"{name}_int8_qdq.onnx")
+    if not os.path.isfile(int8):
+        log(f"quantizing {paths['onnx']} (QDQ, calibrated on random inputs)")
+        onnx.save(quantized.quantize(onnx.load(paths["onnx"]), "qdq", seed=seed), int8)
+    t0 = time.perf_counter()
+    g = bp.Graph.from_onnx(int8)
+    g.plan(**{n: bp.Layout("nchw" if len(s) == 4 else "ab", s, d)
+              for n, (s, d) in g.inputs.items()})
+    log(f"blockpad int8 plan (kernels compiled or loaded): {time.perf_counter() - t0:.1f} s")
+    return {**paths, "int8": int8}
+
+
+def main(models=MODELS, batch=1, hw=224, repeat=5, threads=None, target=None, seed=0):
+    from blockpad.codegen.targets import native_target
+    from blockpad.runtime.tvm_runtime import default_threads
+
+    from . import model as fp32
+
+    target = target or native_target()
+    cores = default_threads()
+    counts = [threads] if threads else sorted({1, cores})
+    for name in models:
+        paths = prepare(name, batch, hw, seed, target)
+        args = argparse.Namespace(model=name, repeat=repeat, seed=seed)
+        results = {}
+        for t in counts:
+            for c in INT8:
+                print(f"running {c} at {t} thread(s) ...", file=sys.stderr, flush=True)
+                results[(c, t)] = _spawn(c, t, paths, args)
+            print(f"running blockpad fp32 at {t} thread(s) ...", file=sys.stderr, flush=True)
+            results[("blockpad fp32", t)] = fp32._spawn("blockpad", t, paths, args)
+        _report(name, batch, hw, target, counts, results)
+
+
+def _report(name, batch, hw, target, counts, results):
+    print(f"\nbench int8: {name}, batch {batch}, {hw}x{hw}; blockpad kernels for {target}; each "
+          f"contender in its own process (figures from a shared machine are rough)")
+    rows = []
+    for t in counts:
+        r = {c: results[(c, t)] for c in (*INT8, "blockpad fp32")}
+        ref = np.load(r["onnxruntime int8"]["y"]) if "y" in r["onnxruntime int8"] else None
+        for c, v in r.items():
+            if "error" in v:
+                rows.append([c, t, "failed: " + v["error"][:70], "", "", ""])
+                continue
+            diff = "-"
+            if ref is not None and c == "blockpad int8":
+                diff = f"{np.mean(np.load(v['y']) != ref):.1%}"
+            ratio = {other: r[other]["ms"] / v["ms"] for other in r
+                     if other != c and "ms" in r[other]}
+            rows.append([c, t, f"{v['ms']:.2f}", f"{v['ms_min']:.2f}",
+                         ", ".join(f"{k}: {x:.2f}x" for k, x in ratio.items())
+                         if c == "blockpad int8" else "", diff])
+    print(table(rows, ["contender", "threads", "ms (median)", "ms (fastest)",
+                       "blockpad int8 speed-up over", "logits != ORT int8"]))
+
+
+def _cli():
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", required=True, choices=INT8)
+    p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--onnx", required=True)
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    print(json.dumps(child(p.parse_args())))
+
+
+if __name__ == "__main__":
+    _cli()

@@ -1,0 +1,153 @@
+"""Quantized ONNX models imported by ``bp.Graph.from_onnx`` give ONNX Runtime's results exactly:
+the final dequantized float output equal bit for bit (so every 8-bit value before it too), in
+both the QDQ and the QOperator form, with every op on a kernel (no numpy fallback)."""
+
+import numpy as np
+import pytest
+
+import blockpad as bp
+from blockpad.onnx import UnsupportedModelError
+
+onnx = pytest.importorskip("onnx", reason="pip install onnx")
+ort = pytest.importorskip("onnxruntime", reason="pip install onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from blockpad.models import quantized  # noqa: E402
+
+FMTS = quantized.FORMATS
+
+
+def _ort(model, feeds):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def _check(model, feeds, kernels=True, **options):
+    """``model`` through blockpad equals ONNX Runtime to the bit; ``kernels``: and every op ran
+    a kernel (else ops without one ran the graph's numpy references: blockpad.qlinear's
+    arithmetic)."""
+    want = _ort(model, feeds)
+    g = bp.Graph.from_onnx(model, **options)
+    res = g.run(**feeds)
+    if kernels:
+        assert res.report.fallbacks == {}, res.report.fallbacks
+    for (name, got), w in zip(res.numpy().items(), want):
+        assert got.dtype == w.dtype and got.shape == w.shape, name
+        assert got.tobytes() == w.tobytes(), \
+            f"{name}: {np.mean(got != w):.1%} differ, max |diff| {np.abs(got - w).max()}"
+    return g, res
+
+
+def _model(nodes, inputs, outputs, inits, ms=False):
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.microsoft", 1)]
+                                              if ms else [])
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+ADD_INITS = {"sx": np.float32(0.031), "zx": np.uint8(128), "sy": np.float32(0.017),
+             "zy": np.uint8(90), "sc": np.float32(0.041), "zc": np.uint8(100)}
+
+
+def _add_model(fmt):
+    """x, y -> QuantizeLinear -> a quantized add -> DequantizeLinear, in either form; x's
+    quantized value is an output too, so the add may overwrite y's but not x's (the operands
+    of a quantized add must not be swapped: each has its scale, and the fmas' order rounds)."""
+    q = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+         helper.make_node("QuantizeLinear", ["y", "sy", "zy"], ["yq"])]
+    if fmt == "qoperator":
+        body = [helper.make_node("QLinearAdd", ["xq", "sx", "zx", "yq", "sy", "zy", "sc", "zc"],
+                                 ["cq"], domain="com.microsoft")]
+    else:
+        body = [helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+                helper.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["yd"]),
+                helper.make_node("Add", ["xd", "yd"], ["c"]),
+                helper.make_node("QuantizeLinear", ["c", "sc", "zc"], ["cq"])]
+    out = [helper.make_node("DequantizeLinear", ["cq", "sc", "zc"], ["out"]),
+           helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["x_out"])]
+    shape = [1, 20, 5, 7]
+    return _model(q + body + out, [("x", shape), ("y", shape)], ["out", "x_out"], ADD_INITS,
+                  ms=fmt == "qoperator")
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("policy", ["dst_fused", "tracked"])
+def test_quantized_add(fmt, policy):
+    rng = np.random.default_rng(3)
+    feeds = {k: (rng.standard_normal((1, 20, 5, 7)) * 3).astype(np.float32) for k in "xy"}
+    g, res = _check(_add_model(fmt), feeds, policy=policy)
+    ops = [n.op for n in g.nodes]
+    assert ops == ["quantize", "quantize", "binary", "dequantize", "dequantize"], ops
+    assert res.report.inplace == []     # over y's value only by swapping: wrong (it was)
+
+
+def test_unsupported_patterns_name_the_node():
+    # a Conv of dequantized values whose output is not requantized
+    w = numpy_helper.from_array(np.ones((4, 3, 1, 1), np.int8), "w")
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w", "sw"], ["wd"], axis=0),
+             helper.make_node("Conv", ["xd", "wd"], ["out"], name="lonely_conv")]
+    model = _model(nodes, [("x", [1, 3, 4, 4])], ["out"], {**ADD_INITS,
+                                                           "sw": np.full(4, 0.1, np.float32)})
+    model.graph.initializer.append(w)
+    with pytest.raises(UnsupportedModelError, match="lonely_conv.*QuantizeLinear"):
+        bp.Graph.from_onnx(model)
+    # a weight zero point other than 0
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("QLinearConv", ["xq", "sx", "zx", "w", "sw", "zw", "sc", "zc"],
+                              ["cq"], name="asym"),
+             helper.make_node("DequantizeLinear", ["cq", "sc", "zc"], ["out"])]
+    model = _model(nodes, [("x", [1, 3, 4, 4])], ["out"],
+                   {**ADD_INITS, "sw": np.full(4, 0.1, np.float32), "zw": np.full(4, 3, np.int8)})
+    model.graph.initializer.append(w)
+    with pytest.raises(UnsupportedModelError, match="asym.*zero point"):
+        bp.Graph.from_onnx(model)
+
+
+# ---- whole quantized networks (CI-sized) ------------------------------------------------------
+
+MODELS = {
+    "basic": lambda: quantized.resnet_block("basic", c_in=16, width=16, hw=8, stride=2),
+    "bottleneck": lambda: quantized.resnet_block("bottleneck", c_in=32, width=8, hw=6,
+                                                 stride=1),
+    "mobilenet_v2": lambda: quantized.mobilenet_v2_small(hw=16),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    cache = {}
+
+    def get(name, fmt):
+        if (name, fmt) not in cache:
+            cache[name, fmt] = quantized.quantize(MODELS[name](), fmt, samples=3)
+        return cache[name, fmt]
+    return get
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_quantized_networks_equal_onnxruntime(models, name, fmt):
+    """The import and the graph: exact whether an op runs a kernel or its numpy reference."""
+    model = models(name, fmt)
+    feeds = quantized.calibration_inputs(model, 1, seed=11)[0]
+    g, res = _check(model, feeds, kernels=False)
+    assert any(n.op == "conv2d" for n in g.nodes)
+    # int8 stays int8 between layers: the only float ops are the edges
+    floats = [n.op for n in g.nodes if g._types[n.outputs[0]][1] == "float32"]
+    assert floats == ["dequantize"] * len(g.outputs), floats
+
+
+@pytest.mark.xfail(strict=True, reason="int8 conv2d/matmul kernels with quantization attributes "
+                   "(src_zero_point, dst_zero_point, int32 bias, uint8 destinations) are not on "
+                   "main yet: the q8 branch; the graph runs their numpy references")
+@pytest.mark.parametrize("fmt", FMTS)
+def test_quantized_networks_run_on_kernels(models, fmt):
+    model = models("basic", fmt)
+    _check(model, quantized.calibration_inputs(model, 1, seed=11)[0])
