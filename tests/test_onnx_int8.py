@@ -24,15 +24,12 @@ def _ort(model, feeds):
     return sess.run(None, feeds)
 
 
-def _check(model, feeds, kernels=True, **options):
-    """``model`` through blockpad equals ONNX Runtime to the bit; ``kernels``: and every op ran
-    a kernel (else ops without one ran the graph's numpy references: blockpad.qlinear's
-    arithmetic)."""
+def _check(model, feeds, **options):
+    """``model`` through blockpad equals ONNX Runtime to the bit, every op on a kernel."""
     want = _ort(model, feeds)
     g = bp.Graph.from_onnx(model, **options)
     res = g.run(**feeds)
-    if kernels:
-        assert res.report.fallbacks == {}, res.report.fallbacks
+    assert res.report.fallbacks == {}, res.report.fallbacks
     for (name, got), w in zip(res.numpy().items(), want):
         assert got.dtype == w.dtype and got.shape == w.shape, name
         assert got.tobytes() == w.tobytes(), \
@@ -134,20 +131,11 @@ def models():
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_quantized_networks_equal_onnxruntime(models, name, fmt):
-    """The import and the graph: exact whether an op runs a kernel or its numpy reference."""
     model = models(name, fmt)
     feeds = quantized.calibration_inputs(model, 1, seed=11)[0]
-    g, res = _check(model, feeds, kernels=False)
+    g, res = _check(model, feeds)
     assert any(n.op == "conv2d" for n in g.nodes)
     # int8 stays int8 between layers: the only float ops are the edges
     floats = [n.op for n in g.nodes if g._types[n.outputs[0]][1] == "float32"]
     assert floats == ["dequantize"] * len(g.outputs), floats
 
-
-@pytest.mark.xfail(strict=True, reason="int8 conv2d/matmul kernels with quantization attributes "
-                   "(src_zero_point, dst_zero_point, int32 bias, uint8 destinations) are not on "
-                   "main yet: the q8 branch; the graph runs their numpy references")
-@pytest.mark.parametrize("fmt", FMTS)
-def test_quantized_networks_run_on_kernels(models, fmt):
-    model = models("basic", fmt)
-    _check(model, quantized.calibration_inputs(model, 1, seed=11)[0])

@@ -17,7 +17,7 @@ import numpy as np
 from blockpad import qlinear, winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
-from blockpad.vocabulary import with_defaults
+from blockpad.vocabulary import QUANT_DEFAULTS, with_defaults
 
 from ..cache import Request
 
@@ -359,6 +359,13 @@ def quant_types(node, types, channels) -> str:
     return q.get("dst_dtype") or "float32"
 
 
+def quant_params(node) -> dict:
+    """The node's quantization attributes as a kernel request names them: those that differ
+    from their defaults (what a kernel's manifest entry records)."""
+    q = node.attrs.get("quant") or {}
+    return {k: v for k, v in q.items() if v != QUANT_DEFAULTS[k]}
+
+
 def requantize_ref(node, acc, scale, axis=1):
     """The integer kernels' epilogue on the exact int32 accumulator ``acc`` (bias in):
     ``float32(acc) * scale``, then ``/ dst_scale``, round half to even, ``+ dst_zero_point``,
@@ -449,7 +456,7 @@ class Conv2d(OpInfo):
         params = {"channels": int(w[0]), "kernel": list(w[2:]), "stride": list(a["stride"]),
                   "pad": pad_sides_param(a["pad"]), "dilation": list(a["dilation"]),
                   "groups": int(a["groups"]), "post_ops": [dict(p) for p in a["post_ops"]],
-                  **(q or {})}
+                  **quant_params(node)}
         if tile is not None:
             params.update(algorithm="winograd", winograd_tile=tile)
         return Request.make("conv2d", list(zip(names, lays)), params, graph.policy, shape=src,
@@ -635,7 +642,7 @@ class Matmul(OpInfo):
             out.append(Candidate(lays[:-1], lays[-1:], lambda inplace, lays=lays: Request.make(
                 "matmul", list(zip(names, lays)), {"n": int(w[1]),
                                                    "post_ops": node.attrs["post_ops"],
-                                                   **(q or {})},
+                                                   **quant_params(node)},
                 graph.policy), args, "blocked" if wtag != "ab" else "plain"))
         return out
 
