@@ -343,6 +343,7 @@ def test_avx512_without_vnni_uses_zmm_vpmaddubsw():
     """``avx512`` (Skylake-SP: AVX-512BW, no VNNI): int8 takes 16 lanes of zmm (compiled
     here, not run: this CPU has no AVX-512)."""
     import tvm
+
     from blockpad.schedules.x86_tensorized import Maddubs
 
     kernel = make_kernels(parse_spec({"kernel": [{"name": "k", **HOST_CONV}]}).kernels[0])[0]
