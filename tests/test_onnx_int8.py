@@ -139,3 +139,19 @@ def test_quantized_networks_equal_onnxruntime(models, name, fmt):
     floats = [n.op for n in g.nodes if g._types[n.outputs[0]][1] == "float32"]
     assert floats == ["dequantize"] * len(g.outputs), floats
 
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_numpy_references_equal_onnxruntime(models, fmt, tmp_path):
+    """With no compiler and an empty cache every step runs the graph's numpy reference (the
+    fallback: integer conv2d and matmul, quantize, dequantize, the quantized add): the same
+    bits as ONNX Runtime."""
+    empty = bp.KernelCache(compiler=None, cache_dir=tmp_path)
+    model = models("mobilenet_v2", fmt)
+    feeds = quantized.calibration_inputs(model, 1, seed=11)[0]
+    g = bp.Graph.from_onnx(model, cache=empty)
+    res = g.run(**feeds)
+    assert set(res.report.fallbacks.values()) == {"numpy"}
+    assert len(res.report.fallbacks) == len(g.nodes) - sum(n.op == "reshape" for n in g.nodes)
+    got, want = res.numpy()["logits"], _ort(model, feeds)[0]
+    assert got.tobytes() == want.tobytes()

@@ -36,7 +36,8 @@ OUT = os.path.join("build", "bench_int8")
 
 
 def _contender(name, args, x):
-    """A function making one inference (numpy in, numpy out)."""
+    """``(run, fallbacks)``: a function making one inference (numpy in, numpy out), and the
+    graph steps that run numpy instead of a kernel (blockpad)."""
     if name == "onnxruntime int8":
         import onnxruntime as ort
 
@@ -44,17 +45,17 @@ def _contender(name, args, x):
         opts.intra_op_num_threads = args.threads
         sess = ort.InferenceSession(args.onnx, opts, providers=["CPUExecutionProvider"])
         feed = {sess.get_inputs()[0].name: x}
-        return lambda: sess.run(None, feed)[0]
+        return (lambda: sess.run(None, feed)[0]), {}
     import blockpad as bp
 
     g = bp.Graph.from_onnx(args.onnx)
     feed = {next(iter(g.inputs)): x}
-    return lambda: g(feed)
+    return (lambda: g(feed)), g.run(feed).report.fallbacks
 
 
 def child(args) -> dict:
     x = np.load(args.input)
-    run = _contender(args.child, args, x)
+    run, fallbacks = _contender(args.child, args, x)
     np.save(args.output, run())
     n = batch_size(run)
     times = []
@@ -63,7 +64,8 @@ def child(args) -> dict:
         for _ in range(n):
             run()
         times.append((time.perf_counter() - t0) / n)
-    return {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times)}
+    return {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
+            "fallbacks": fallbacks}
 
 
 def _spawn(name, threads, paths, args) -> dict:
@@ -146,6 +148,9 @@ def _report(name, batch, hw, target, counts, results):
                          if c == "blockpad int8" else "", diff])
     print(table(rows, ["contender", "threads", "ms (median)", "ms (fastest)",
                        "blockpad int8 speed-up over", "logits != ORT int8"]))
+    slow = {k for t in counts for k in results[("blockpad int8", t)].get("fallbacks", {})}
+    if slow:
+        print(f"blockpad int8 ran {len(slow)} steps on numpy (no kernel): {sorted(slow)[:8]}")
 
 
 def _cli():
