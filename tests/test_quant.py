@@ -25,7 +25,7 @@ from blockpad.codegen.spec import parse_spec
 from blockpad.errors import SpecError
 from blockpad.runtime.library import Signature
 from blockpad.testing import qemu
-from blockpad.vocabulary import POLICIES
+from blockpad.vocabulary import POLICIES, QUANT_DEFAULTS
 
 from .conftest import asm_functions, garbage, kernel_instructions
 
@@ -386,3 +386,55 @@ def test_neon_dotprod_sdot_tiles_are_exact(tmp_path, rng):
     qemu.run_many(tmp_path, calls)
     for entry, arrays, dst in checks:
         np.testing.assert_array_equal(dst.to_numpy(), exact(entry, arrays))
+
+
+# ---- bp.Graph -------------------------------------------------------------------------------
+
+def test_graph_takes_the_attributes_and_int8_stays_int8(tmp_path_factory):
+    """``Graph.conv2d`` / ``Graph.matmul`` take the kernels' attribute names: a uint8 image
+    through a conv into int8 (its int32 bias selected by the bias's dtype), that int8 into a
+    second conv (its zero point the first's destination zero point) into uint8, and an int8
+    matmul with a per-tensor scale into int32; blocked kernels (no numpy fallback), equal to
+    the integer reference."""
+    rng = np.random.default_rng(5)
+    g = bp.Graph(cache=bp.jit_cache(cache_dir=tmp_path_factory.mktemp("bp-jit")))
+    e1 = {"op": "conv2d", "pad": [1, 1], "src_zero_point": 9, "dst_dtype": "int8",
+          "dst_zero_point": -4, "dst_scale": 0.5, "post_ops": [INT_BIAS, RELU]}
+    e2 = {"op": "conv2d", "stride": [2, 2], "src_zero_point": -4, "dst_dtype": "uint8",
+          "dst_zero_point": 120}
+    e3 = {"op": "matmul", "src_zero_point": 3, "scales": "tensor", "dst_dtype": "int32"}
+    a = {"x": rng.integers(0, 256, (1, 20, 5, 6)).astype(np.uint8),
+         "w1": rng.integers(-128, 128, (24, 20, 3, 3)).astype(np.int8),
+         "s1": (2.0 ** -rng.integers(8, 11, 24)).astype(np.float32),
+         "b1": rng.integers(-9000, 9000, 24).astype(np.int32),
+         "w2": rng.integers(-128, 128, (10, 24, 1, 1)).astype(np.int8),
+         "s2": (2.0 ** -rng.integers(5, 8, 10)).astype(np.float32),
+         "m": rng.integers(-128, 128, (7, 33)).astype(np.int8),
+         "wm": rng.integers(-128, 128, (33, 12)).astype(np.int8),
+         "sm": np.array([0.125], np.float32)}
+    x, m = g.input("x", a["x"].shape, "uint8"), g.input("m", a["m"].shape, "int8")
+    c = {n: g.constant(n, a[n]) for n in ("w1", "s1", "b1", "w2", "s2", "wm", "sm")}
+    attrs = lambda e: {k: e[k] for k in QUANT_DEFAULTS if k in e}  # noqa: E731
+    y1 = g.conv2d(x, c["w1"], bias=c["b1"], pad=1, post_ops=["relu"], scale=c["s1"],
+                  **attrs(e1))
+    y2 = g.conv2d(y1, c["w2"], stride=2, scale=c["s2"], **attrs(e2))
+    y3 = g.matmul(m, c["wm"], scale=c["sm"], **attrs(e3))
+    assert (y1.dtype, y2.dtype, y3.dtype) == ("int8", "uint8", "int32")
+    g.output(y2, y3)
+    res = g.run(x=a["x"], m=a["m"])
+    assert not res.report.fallbacks
+    want1 = exact(e1, {"src": a["x"], "weights": a["w1"], "scale": a["s1"], "bias": a["b1"]})
+    want2 = exact(e2, {"src": want1, "weights": a["w2"], "scale": a["s2"]})
+    want3 = exact(e3, {"src": a["m"], "weights": a["wm"], "scale": a["sm"]})
+    np.testing.assert_array_equal(res[y2.name].numpy(), want2)
+    np.testing.assert_array_equal(res[y3.name].numpy(), want3)
+
+
+def test_graph_refuses_attributes_on_float_and_an_integer_source_without_scale():
+    g = bp.Graph()
+    x, w = g.input("x", (1, 4, 3, 3)), g.constant("w", np.ones((2, 4, 1, 1), np.float32))
+    with pytest.raises(bp.ArgumentError, match="uint8/int8 source"):
+        g.conv2d(x, w, src_zero_point=3)
+    q = g.input("q", (1, 4, 3, 3), "uint8")
+    with pytest.raises(bp.ArgumentError, match="needs scale="):
+        g.conv2d(q, g.constant("w8", np.ones((2, 4, 1, 1), np.int8)))

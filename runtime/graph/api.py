@@ -17,7 +17,13 @@ import numpy as np
 from blockpad import winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, dtype_name, pad_sides
-from blockpad.vocabulary import DEFAULT_POLICY, POLICIES, POST_OP_DEFAULTS, with_defaults
+from blockpad.vocabulary import (
+    DEFAULT_POLICY,
+    POLICIES,
+    POST_OP_DEFAULTS,
+    QUANT_DEFAULTS,
+    with_defaults,
+)
 
 from ..cache import KernelCache, default_cache
 from ..memory import Memory
@@ -266,7 +272,8 @@ class Graph:
 
     def conv2d(self, x, weights, bias=None, stride=1, pad=0, dilation=1, groups=1,
                post_ops=(), sum=None, name=None, out=None,  # noqa: A002 (oneDNN's)
-               algorithm="direct", winograd_tile=None) -> Tensor:
+               algorithm="direct", winograd_tile=None, scale=None, src_zero_point=0,
+               scales="channel", dst_scale=1.0, dst_zero_point=0, dst_dtype=None) -> Tensor:
         """2-D convolution, NCHW source, OIHW weights (``groups`` > 1: O x I/groups x H x W).
         ``pad``: symmetric, an int or (h, w), or per side ((top, bottom), (left, right)).
         ``post_ops``: oneDNN's chain
@@ -278,7 +285,10 @@ class Graph:
         (3x3, stride 1, fp32: F(m x m, 3x3), ``winograd_tile`` m = 2, 4 (default) or 6; the
         constant weights are transformed once, by the library's ``winograd_weights`` kernel)
         or ``"auto"`` (the cost model of ``blockpad.winograd`` picks, within its error
-        bound)."""
+        bound). A uint8/int8 source with int8 weights takes the kernels' quantization
+        attributes, by their names (README, "int8"): ``scale`` (a float32 tensor, (K,) or (1,)
+        with ``scales="tensor"``), ``src_zero_point``, ``dst_scale``, ``dst_zero_point``,
+        ``dst_dtype``; an int32 ``bias`` is added to the accumulator before the scale."""
         if algorithm not in ("direct", "winograd", "auto"):
             raise ArgumentError(f"conv2d: algorithm must be 'direct', 'winograd' or 'auto'; "
                                 f"got {algorithm!r}")
@@ -296,12 +306,36 @@ class Graph:
             raise ArgumentError("conv2d: sum= was given but post_ops has no 'sum' entry, so the "
                                 "tensor would not be added; put 'sum' in post_ops where it "
                                 "applies, e.g. post_ops=['sum', 'relu']")
-        inputs = [x, weights] + ([bias] if bias is not None else []) + \
-            ([sum] if sum is not None else [])
+        quant = self._quant("conv2d", x, scale, chain, bias, src_zero_point=src_zero_point,
+                            scales=scales, dst_scale=dst_scale, dst_zero_point=dst_zero_point,
+                            dst_dtype=dst_dtype)
+        inputs = [x, weights] + ([scale] if quant else []) + \
+            ([bias] if bias is not None else []) + ([sum] if sum is not None else [])
         attrs = {"stride": _pair(stride), "pad": pad_sides(pad), "dilation": _pair(dilation),
                  "groups": int(groups), "post_ops": chain, "bias": bias is not None,
-                 "sum": sum is not None, "algorithm": algorithm, "winograd_tile": winograd_tile}
+                 "sum": sum is not None, "algorithm": algorithm, "winograd_tile": winograd_tile,
+                 **({"quant": quant} if quant else {})}
         return self.add_op("conv2d", inputs, attrs, name, _outs(out))
+
+    def _quant(self, op, x, scale, chain, bias, **attrs) -> dict | None:
+        """The quantization attributes of an integer ``op`` (``attrs``, the kernels' names),
+        or None for a floating-point one; an int32 ``bias`` marks its chain entry, which moves
+        first (it is added to the int32 accumulator). The graph op checks the types."""
+        integer = self._types[self._var(x)][1] in ("uint8", "int8")
+        given = [k for k, v in attrs.items() if v != QUANT_DEFAULTS[k]]
+        if not integer:
+            if scale is not None or given:
+                raise ArgumentError(f"{op}: scale= and {', '.join(QUANT_DEFAULTS)} need a "
+                                    f"uint8/int8 source; got {self._types[self._var(x)][1]}")
+            return None
+        if scale is None:
+            raise ArgumentError(f"{op}: an integer source needs scale= (float32, (K,) per "
+                                f"channel or (1,) with scales='tensor')")
+        if bias is not None and self._types[self._var(bias)][1] == "int32":
+            entry = next(p for p in chain if p["kind"] == "bias")
+            chain.remove(entry)
+            chain.insert(0, {**entry, "dtype": "int32"})
+        return dict(attrs)
 
     def pool(self, x, algorithm="max", kernel=2, stride=None, pad=0, dilation=1,
              exclude_pad=True, ceil_mode=False, name=None, out=None) -> Tensor:
@@ -325,9 +359,12 @@ class Graph:
             raise ArgumentError(f"global_avg_pool takes an NCHW value; got {shape}")
         return self.pool(x, "avg", shape[2:], name=name, out=out)
 
-    def matmul(self, x, weights, bias=None, post_ops=(), name=None, out=None) -> Tensor:
+    def matmul(self, x, weights, bias=None, post_ops=(), name=None, out=None, scale=None,
+               src_zero_point=0, scales="channel", dst_scale=1.0, dst_zero_point=0,
+               dst_dtype=None) -> Tensor:
         """``x (M, K) @ weights (K, N)`` (+ ``bias`` (N,)), with a post-op chain as conv2d's
-        (``bias`` and eltwise kinds)."""
+        (``bias`` and eltwise kinds), and conv2d's quantization attributes for a uint8/int8
+        source."""
         chain = [_post_op(p) for p in post_ops]
         if bias is not None and not any(p["kind"] == "bias" for p in chain):
             chain.insert(0, {"kind": "bias"})
@@ -335,8 +372,12 @@ class Graph:
             raise ArgumentError("matmul: the graph's matmul takes bias and eltwise post-ops")
         if any(p["kind"] == "bias" for p in chain) and bias is None:
             raise ArgumentError("matmul: a 'bias' post-op needs the bias tensor")
-        inputs = [x, weights] + ([bias] if bias is not None else [])
-        return self.add_op("matmul", inputs, {"post_ops": chain, "bias": bias is not None},
+        quant = self._quant("matmul", x, scale, chain, bias, src_zero_point=src_zero_point,
+                            scales=scales, dst_scale=dst_scale, dst_zero_point=dst_zero_point,
+                            dst_dtype=dst_dtype)
+        inputs = [x, weights] + ([scale] if quant else []) + ([bias] if bias is not None else [])
+        return self.add_op("matmul", inputs, {"post_ops": chain, "bias": bias is not None,
+                                              **({"quant": quant} if quant else {})},
                            name, _outs(out))
 
     def reshape(self, x, shape, name=None, out=None) -> Tensor:
