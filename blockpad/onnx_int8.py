@@ -120,14 +120,11 @@ class QuantizedOps:
         if not v.dq:
             node.fail(f"input {name!r} is an 8-bit quantized value; a float op needs it "
                       f"dequantized (DequantizeLinear)")
-        t = self._emit_op(v.node, "dequantize", [v.tensor],
-                          {"scale": v.scale, "zero_point": v.zero_point})
-        self.env[v.node.outputs[0]] = ("t", t)
-        return t
+        return self._emit(v.node, "dequantize", v.tensor, v.scale, v.zero_point)
 
     def _emit_op(self, node, op, inputs, attrs):
-        """``_emit`` for ops the Graph has no method for: ``add_op`` (its output named as
-        ``node``'s)."""
+        """``_emit`` through ``add_op`` (integer conv2d and matmul: their quantization
+        attributes), the output named as ``node``'s."""
         from blockpad.errors import BlockpadError
 
         name = node.outputs[0]
@@ -189,7 +186,7 @@ class QuantizedOps:
             x = v
         else:
             node.fail("the input is a constant (quantize it before import)")
-        t = self._emit_op(node, "quantize", [x], {"scale": s, "zero_point": z, "dtype": dtype})
+        t = self._emit(node, "quantize", x, s, z, dtype)
         self._set_q(node.outputs[0], t, s, z)
 
     def _op_DequantizeLinear(self, node):
@@ -304,7 +301,7 @@ class QuantizedOps:
     # -- emitting the integer ops --
     def _conv(self, node, out_node, x, xs, xz, w, ws, bias, ys, yz, dtype, geometry=None):
         if geometry is None:
-            from blockpad.onnx import _ints, _pads   # the float Conv's attribute rules
+            from blockpad.onnx import _ints, _pads  # the float Conv's attribute rules
             stride = _ints(node, "strides", 2, 1)
             dilation = _ints(node, "dilations", 2, 1)
             pad = _pads(node, x.tensor.shape[2:], w.shape[2:], stride, dilation)
@@ -357,9 +354,7 @@ class QuantizedOps:
         if not a.dtype == b.dtype == dtype:
             node.fail(f"operands and result must share one 8-bit type; got {a.dtype}, "
                       f"{b.dtype} -> {dtype}")
-        t = self._emit_op(out_node, "binary", [a.tensor, b.tensor],
-                          {"algorithm": "add", "scales": [float(s) for s in scales],
-                           "zero_points": [int(z) for z in zero_points]})
+        t = self._emit(out_node, "quantized_add", a.tensor, b.tensor, scales, zero_points)
         self._set_q(out_node.outputs[0], t, scales[2], zero_points[2])
 
 

@@ -259,6 +259,28 @@ class Graph:
     def mul(self, a, b, name=None, out=None):
         return self.binary(a, b, "mul", name, out)
 
+    # quantized values (uint8/int8 standing for ``scale * (q - zero_point)``), with ONNX
+    # Runtime's arithmetic (docs/onnxruntime-int8.md)
+    def quantize(self, x, scale, zero_point=0, dtype="uint8", name=None, out=None) -> Tensor:
+        """float32 -> uint8/int8 as QuantizeLinear: ``x / scale`` (a true division), round
+        half to even, ``+ zero_point``, saturate; one scale and zero point per tensor."""
+        return self.add_op("quantize", [x], {"scale": float(scale), "zero_point": int(zero_point),
+                                             "dtype": dtype_name(dtype)}, name, _outs(out))
+
+    def dequantize(self, x, scale, zero_point=0, name=None, out=None) -> Tensor:
+        """uint8/int8 -> float32 as DequantizeLinear: ``float(x - zero_point) * scale``."""
+        return self.add_op("dequantize", [x], {"scale": float(scale),
+                                               "zero_point": int(zero_point)}, name, _outs(out))
+
+    def quantized_add(self, a, b, scales, zero_points, name=None, out=None) -> Tensor:
+        """The sum of the values 8-bit ``a`` and ``b`` stand for, quantized: ``scales`` and
+        ``zero_points`` are ``[a, b, result]``'s, the arithmetic QLinearAdd's (two fmas). The
+        operands keep their order (swapped, the fmas round differently)."""
+        return self.add_op("binary", [a, b], {"algorithm": "add",
+                                              "scales": [float(v) for v in scales],
+                                              "zero_points": [int(v) for v in zero_points]},
+                           name, _outs(out))
+
     def softmax(self, x, axis=1, name=None, out=None, log=False) -> Tensor:
         """Softmax over ``axis`` (the blocked channel axis by default); ``log``: log-softmax."""
         rank = len(self._types[self._var(x)][0])
