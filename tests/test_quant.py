@@ -260,6 +260,17 @@ def test_zero_point_padding_is_the_zero_point(libs):
         assert len(np.unique(got[:, 0])) == 1 or "sum" in entry, case   # border = interior
 
 
+def test_the_manifest_records_the_attributes(libs):
+    """A kernel's manifest entry names the attributes that differ from their defaults (the
+    Graph's kernel cache matches requests against it)."""
+    params = libs["dst_fused"]["blk8"].signature.params
+    assert {k: params[k] for k in ("src_zero_point", "scales", "dst_dtype", "dst_zero_point",
+                                   "dst_scale")} == \
+        {"src_zero_point": -7, "scales": "tensor", "dst_dtype": "uint8", "dst_zero_point": 128,
+         "dst_scale": 0.37}
+    assert "dst_scale" not in libs["dst_fused"]["mm_tensor"].signature.params   # 1.0
+
+
 def test_compensation_is_computed_in_the_kernel():
     """The kernel takes no compensation argument: it reduces its own weights (zp_wsum,
     zp_comp stages), and only when the source has a zero point."""
