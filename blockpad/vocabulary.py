@@ -12,8 +12,19 @@ from types import MappingProxyType
 
 # ---- padding policies (docs/padding-contract.md) ------------------------------------------
 
-#: The six zero-padding policies, in the order reports list them.
-POLICIES = ("on_handle", "dst_fused", "dst_stage", "src", "tracked", "user")
+#: The six zero-padding policies. The order is the random checker's draw order (``blockpad check
+#: --seed`` reproduces a case by it) and the order reports list them in.
+POLICIES = ("dst_fused", "dst_stage", "src", "on_handle", "tracked", "user")
+#: Policies whose kernels write their destination's padding themselves (in the kernel, or in its
+#: stage kernel): they need no padding state, the only ones a GPU library takes.
+KERNEL_ZEROS = ("dst_fused", "dst_stage")
+#: Policies whose zero-pads the runtime decides from a memory's handle or state (at
+#: ``set_data_handle``, lazily by ``clean``/``dirty``, by the user's word): a raw call, with no
+#: Memory around it (aarch64 code under qemu), honours only the others.
+MEMORY_STATE = ("on_handle", "tracked", "user")
+#: Policies after whose kernels a destination's padding is zero: written by the kernel, or zeroed
+#: when the memory got its handle and preserved by every kernel.
+CLEAN_AFTER_CALL = KERNEL_ZEROS + ("on_handle", "user")
 #: What a library, a Graph or the JIT uses when nobody names a policy.
 DEFAULT_POLICY = "dst_fused"
 

@@ -14,6 +14,7 @@ from blockpad.errors import ArgumentError, LoadError
 from blockpad.layout import Layout, numpy_dtype
 from blockpad.machine import gpu_requirement
 from blockpad.manifest import KernelRecord
+from blockpad.vocabulary import KERNEL_ZEROS
 
 from . import padding
 from .loadable import check_loadable
@@ -107,7 +108,7 @@ class Kernel:
             raise ArgumentError(f"{sig.name}: blockpad streams order host work; a GPU kernel "
                                 f"runs on the CUDA stream of its tensors (call without stream=)")
         contract = sig.padding
-        if contract and contract["policy"] not in ("dst_fused", "dst_stage"):
+        if contract and contract["policy"] not in KERNEL_ZEROS:
             raise ArgumentError(f"{sig.name}: policy {contract['policy']!r} keeps padding state "
                                 f"in blockpad.Memory objects, which GPU tensors do not carry; "
                                 f"build GPU libraries with policy dst_fused or dst_stage")

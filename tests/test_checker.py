@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import blockpad as bp
-from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
+from blockpad.vocabulary import CLEAN_AFTER_CALL, POLICIES
 
 from .conftest import garbage
 from .reference import REFERENCES
@@ -84,7 +84,7 @@ def test_case(libs, policy, case, rng):
 
     want = REFERENCES[CASES[case]["op"]](CASES[case], *arrays)
     np.testing.assert_allclose(dst.to_numpy(), want, rtol=2e-6, atol=2e-6)
-    if policy in ("dst_fused", "dst_stage", "on_handle", "user"):
+    if policy in CLEAN_AFTER_CALL:
         assert dst.state == "clean"
     if dst.state == "clean":
         assert dst.padding_is_zero(), f"{policy}: padding promised clean is not zero"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import blockpad as bp
-from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
+from blockpad.vocabulary import POLICIES
 
 from .reference import conv_reference, pool
 

@@ -18,6 +18,7 @@ from blockpad.runtime import counters
 from blockpad.runtime.cache import KernelCache
 from blockpad.runtime.graph.passes import Node, inplace_pass
 from blockpad.runtime.memory import SubMemoryError
+from blockpad.vocabulary import POLICIES
 
 from .conftest import run_in_threads
 from .reference import conv_reference, softmax
@@ -29,7 +30,6 @@ def ref_conv(x, w, bias=None, pad=0):
                          {"stride": (1, 1), "pad": (pad, pad), "dilation": (1, 1), "groups": 1})
     return out if bias is None else out + bias.reshape(1, -1, 1, 1)
 
-POLICIES = ("on_handle", "dst_fused", "dst_stage", "src", "tracked", "user")
 S = (2, 30, 5, 7)          # channels pad to 32 in nChw16c
 BLK = bp.Layout("nChw16c", S)
 X = (1, 13, 6, 6)          # convolution tests: odd channel counts

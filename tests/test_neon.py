@@ -18,7 +18,7 @@ import pytest
 import scipy.special
 
 import blockpad as bp
-from blockpad import assembly, machine
+from blockpad import assembly, machine, vocabulary
 from blockpad import manifest as mf
 from blockpad.bench import isa
 from blockpad.codegen.spec import parse_spec
@@ -37,7 +37,7 @@ executes = pytest.mark.skipif(bool(MISSING), reason="runs aarch64 code under qem
 
 SHAPE = [2, 30, 5, 7]          # C=30: the last 4- and 8-channel blocks are partial; W=7 odd
 HALO = {"h": [1, 2], "w": [3, 1]}
-POLICIES = ("dst_fused", "dst_stage", "src")
+POLICIES = tuple(p for p in vocabulary.POLICIES if p not in vocabulary.MEMORY_STATE)
 
 
 def _eltwise(algorithm, policy, tag="nChw4c", shape=SHAPE):

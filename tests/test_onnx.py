@@ -19,8 +19,8 @@ ort = pytest.importorskip("onnxruntime", reason="pip install onnxruntime (the [t
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from blockpad.onnx import UnsupportedModelError  # noqa: E402
+from blockpad.vocabulary import POLICIES  # noqa: E402
 
-POLICIES = ("on_handle", "dst_fused", "dst_stage", "src", "tracked", "user")
 TOL = 1e-4
 
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import blockpad as bp
-from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
 from blockpad.layout import numpy_dtype
 from blockpad.runtime import counters
 from blockpad.runtime.stream import Stream
+from blockpad.vocabulary import CLEAN_AFTER_CALL, POLICIES
 
 from .reference import conv_reference, eltwise
 
@@ -95,7 +95,7 @@ def test_a_source_not_known_clean_is_zero_padded(lib, policy, path, state, rng):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     if path != "graph":        # the graph runs on its own memory of the caller's buffer
         assert src.state == "clean" and src.padding_is_zero()
-        if policy in ("dst_fused", "dst_stage", "on_handle", "user"):
+        if policy in CLEAN_AFTER_CALL:
             assert dst.state == "clean"
         if dst.state == "clean":
             assert dst.padding_is_zero()

@@ -7,10 +7,10 @@ import pytest
 
 import blockpad as bp
 from blockpad.codegen.build import make_kernels
-from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
 from blockpad.runtime import counters
 from blockpad.runtime.stream import Stream
+from blockpad.vocabulary import CLEAN_AFTER_CALL, POLICIES
 
 from .reference import eltwise
 
@@ -108,7 +108,7 @@ def test_every_policy_computes_the_same(libs, policy, rng):
     want = 1 / (1 + np.exp(-np.maximum(x, 0))) * y
     d = _chain(libs[policy], x, y)
     assert np.allclose(d.to_numpy(), want, atol=1e-6)
-    if policy in ("on_handle", "user", "dst_fused", "dst_stage"):
+    if policy in CLEAN_AFTER_CALL:
         assert d.padding_is_zero() and d.state == "clean"
 
 

@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 import blockpad as bp
 from blockpad.check import execute
 from blockpad.codegen.build import make_kernels
-from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
-from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS
+from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS, POLICIES
 
 from .reference import conv_reference
 

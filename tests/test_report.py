@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from blockpad.codegen.policy import POLICIES
 from blockpad.report import padding
+from blockpad.vocabulary import POLICIES
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 
 import blockpad as bp
 from blockpad.codegen.build import make_kernels
-from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
+from blockpad.vocabulary import POLICIES
 
 from .conftest import garbage
 

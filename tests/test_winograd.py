@@ -14,11 +14,11 @@ import pytest
 import blockpad as bp
 from blockpad import winograd as wino
 from blockpad.codegen.build import make_kernels
-from blockpad.codegen.policy import POLICIES
 from blockpad.codegen.spec import parse_spec
 from blockpad.errors import ArgumentError, SpecError
 from blockpad.runtime.graph.ops import conv_ref
 from blockpad.testing import qemu
+from blockpad.vocabulary import POLICIES
 
 from .conftest import asm_functions, kernel_instructions
 

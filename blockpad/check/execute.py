@@ -35,12 +35,12 @@ import numpy as np
 
 from blockpad.layout import numpy_dtype
 from blockpad.runtime.memory import aligned_empty, nonzero_padding
+from blockpad.vocabulary import CLEAN_AFTER_CALL
 
 from .reference import reference
 
 GUARD_BYTES = 256           # each side of every buffer; a multiple of the 64-byte alignment
 GUARD_PATTERN = np.frombuffer(bytes.fromhex("addec07f"), np.uint8)   # float32 NaN 0x7fc0dead
-PROMISE_CLEAN = ("dst_fused", "dst_stage", "on_handle", "user")
 # how a native kernel is called: each call path honours the padding contract on its own
 CALL_PATHS = ("direct", "bound", "stream")
 
@@ -275,7 +275,7 @@ def _check_destination(a: Arg, mem, sig, entry, inputs) -> list:
         if mem.state == "clean" and nonzero:
             out.append(f"{a.name}: state 'clean' but {nonzero} of {len(lay.padding_offsets())} "
                        f"padding elements are not zero")
-        if contract.get("policy") in PROMISE_CLEAN and mem.state != "clean":
+        if contract.get("policy") in CLEAN_AFTER_CALL and mem.state != "clean":
             out.append(f"{a.name}: state {mem.state!r} after the call; policy "
                        f"{contract['policy']!r} promises a clean destination")
         if contract.get("produces") == "preserved":

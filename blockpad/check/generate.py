@@ -29,9 +29,8 @@ import numpy as np
 
 from blockpad.errors import LayoutError
 from blockpad.layout import Layout
-from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS, post_op_tensors
+from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS, POLICIES, post_op_tensors
 
-POLICIES = ("dst_fused", "dst_stage", "src", "on_handle", "tracked", "user")
 OPS = ("reorder", "zero_pad", "eltwise", "binary", "conv2d", "matmul", "softmax", "pool")
 # how often each op is drawn: the dot-product ops have the most code paths (and post-ops)
 WEIGHTS = {"reorder": 1.0, "zero_pad": 0.5, "eltwise": 1.5, "binary": 1.0, "conv2d": 2.5,
