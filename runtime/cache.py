@@ -138,7 +138,7 @@ class Request:
             params["post_ops"] = canonical_post_ops(params["post_ops"])
         params = tuple(sorted((k, _norm(v)) for k, v in params.items()))
         implied = tuple(sorted((k, _norm(v)) for k, v in (implied or {}).items()))
-        first = tensors[0][1]
+        _name, first = tensors[0]
         return cls(op, tensors, params, policy, tuple(shape or first.shape),
                    dtype or first.dtype, implied)
 
@@ -170,7 +170,7 @@ class Request:
         if sig.op != self.op:
             return False
         want = list(self.tensors[:-1] if self.inplace else self.tensors)
-        have = [(name, lay) for name, _role, lay, _storage in sig.args]
+        have = [(a.name, a.layout) for a in sig.args]
         if want != have:
             return False
         if self.policy is not None and (sig.padding or {}).get("policy") != self.policy:

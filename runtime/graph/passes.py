@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from blockpad.vocabulary import with_defaults
+
 
 @dataclass
 class Node:
@@ -244,7 +246,7 @@ def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
                 other = r.inputs[1 - r.inputs.index(out)]
                 if _definition(nodes, j, other) >= i:
                     continue          # computed after the convolution: cannot be its input
-                chain.append({"kind": "sum", "scale": 1.0})
+                chain.append(with_defaults({"kind": "sum"}))
                 inputs = list(n.inputs) + [other]
             else:
                 continue
