@@ -70,9 +70,6 @@ class Quantized:
     def as_dq(self, node) -> Quantized:
         return Quantized(self.tensor, self.scale, self.zero_point, True, node)
 
-    def as_q(self) -> Quantized:
-        return Quantized(self.tensor, self.scale, self.zero_point)
-
 
 @dataclass
 class QConst:
