@@ -155,3 +155,17 @@ def test_numpy_references_equal_onnxruntime(models, fmt, tmp_path):
     assert len(res.report.fallbacks) == len(g.nodes) - sum(n.op == "reshape" for n in g.nodes)
     got, want = res.numpy()["logits"], _ort(model, feeds)[0]
     assert got.tobytes() == want.tobytes()
+
+
+def test_quantized_model_built_ahead_of_time(models, tmp_path):
+    """``blockpad build`` of a quantized model (kernels, plan, packed int8 weights) loads and
+    gives ONNX Runtime's output to the bit."""
+    from blockpad.model_build import build_model
+
+    model = models("basic", "qdq")
+    path = tmp_path / "basic_qdq.onnx"
+    onnx.save(model, str(path))
+    build_model(str(path), "host", str(tmp_path / "built"), log=lambda m: None)
+    feeds = quantized.calibration_inputs(model, 1, seed=11)[0]
+    got = bp.load(str(tmp_path / "built"))(feeds["input"])
+    assert got.tobytes() == _ort(model, feeds)[0].tobytes()
