@@ -22,6 +22,9 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
     p.add_argument("--tuning-logs", metavar="DIR",
                    help="tuning records to use instead of the packaged tuning_logs/")
+    p.add_argument("--conv-algorithm", choices=["auto", "direct"], default="auto",
+                   help="ONNX models: 3x3 stride-1 convolutions as Winograd where the cost "
+                   "model says it pays (auto), or all direct (for comparison)")
     p.set_defaults(run=_build)
 
     p = sub.add_parser("tune", help="autotune a spec's kernels into tuning_logs/<target>/")
@@ -64,6 +67,8 @@ def main(argv=None) -> int:
                    "densenet121); bench int8: resnet50 or mobilenet_v2 (default: both)")
     p.add_argument("--batch", type=int, default=1, help="bench model: batch size")
     p.add_argument("--hw", type=int, default=224, help="bench model: image height and width")
+    p.add_argument("--conv-algorithm", choices=["auto", "direct"], default="auto",
+                   help="bench model: blockpad's convolutions (auto: Winograd where it pays)")
     p.set_defaults(run=_bench)
 
     p = sub.add_parser("report", help="run a measured report")
@@ -107,7 +112,7 @@ def _build(args):
         from .model_build import build_model
 
         build_model(args.spec, args.target, args.out, force=args.force,
-                    tuning_logs=args.tuning_logs)
+                    tuning_logs=args.tuning_logs, conv_algorithm=args.conv_algorithm)
         return
     from .codegen.build import build
     from .codegen.targets import native_target
@@ -206,7 +211,8 @@ def _bench(args):
         from .bench import model
 
         model.main(args.model or "resnet50", args.batch, args.hw, repeat=args.repeat,
-                   threads=args.threads, target=args.target)
+                   threads=args.threads, target=args.target,
+                   conv_algorithm=args.conv_algorithm)
         return
     if args.what == "int8":   # int8 networks: blockpad, ONNX Runtime int8, blockpad fp32
         from .bench import int8

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from blockpad import manifest as mf
+from blockpad import winograd
 from blockpad.errors import BlockpadError, BuildError
 from blockpad.runtime import model as rm
 from blockpad.runtime.cache import KernelCache, Request
@@ -124,7 +125,8 @@ def _entry_name(i, req) -> str:
 
 def build_key(g: Graph, doc: dict, target) -> str:
     """Everything the folder depends on: the graph, the constants' bytes, the target, TVM, the
-    code generator (with the tuning records) and the runtime's planner."""
+    code generator (with the tuning records) and the runtime's planner (with the cost model
+    that picks Winograd convolutions)."""
     from blockpad import jit
 
     h = hashlib.sha256(json.dumps([doc, target.name, mf.tvm_version()], sort_keys=True).encode())
@@ -133,7 +135,7 @@ def build_key(g: Graph, doc: dict, target) -> str:
         h.update(f"{name} {a.shape} {a.dtype}".encode())
         h.update(a.view(np.uint8).reshape(-1))
     h.update(jit.fingerprint().encode())
-    for f in sorted(Path(rm.__file__).parent.rglob("*.py")):
+    for f in [Path(winograd.__file__), *sorted(Path(rm.__file__).parent.rglob("*.py"))]:
         h.update(f.read_bytes())
     return h.hexdigest()
 
@@ -151,14 +153,18 @@ def _up_to_date(out_dir, key) -> bool:
 
 def _pack(g: Graph, plan) -> dict:
     """Each constant's shape and the constant in every layout the plan reads it in: packed for
-    the weights its kernels take blocked, plain where a step reads the constant as it is."""
+    the weights its kernels take blocked (transformed for Winograd convolutions), plain where
+    a step reads the constant as it is."""
     from blockpad.runtime.graph.ops import plain
 
     out = {}
     for cname, buf in plan.weight_bufs:
         lay = buf.layout
-        a = np.ascontiguousarray(g.constants[cname]).reshape(lay.shape)
-        out.setdefault(cname, {})[lay] = Memory.from_numpy(a, lay)
+        a = np.ascontiguousarray(g.constants[cname])
+        m = winograd.domain_tile(lay, a.shape)
+        if m is not None:      # a Winograd convolution's weights: transformed once, here
+            a = winograd.transform(a, m).astype(a.dtype)
+        out.setdefault(cname, {})[lay] = Memory.from_numpy(a.reshape(lay.shape), lay)
     read_plain = {b.storage.value for st in plan.steps for b in st.reads
                   if b.storage.kind == "constant"}
     for cname, a in g.constants.items():
@@ -170,16 +176,19 @@ def _pack(g: Graph, plan) -> dict:
 
 
 def build_model(source, target="host", out_dir="build/model", force=False, log=None,
-                tuning_logs=None) -> str:
+                tuning_logs=None, conv_algorithm="auto") -> str:
     """Build ``source`` (a ``bp.Graph``, an ONNX path or ModelProto) for ``target`` (a name;
-    ``native``: the widest this CPU runs) into ``out_dir``; return ``out_dir``."""
+    ``native``: the widest this CPU runs) into ``out_dir``; return ``out_dir``.
+    ``conv_algorithm``: an ONNX source's convolutions (``Graph.from_onnx``'s: ``auto`` or
+    ``direct``)."""
     from blockpad.codegen.build import build
     from blockpad.codegen.spec import parse_spec
     from blockpad.codegen.targets import get_target, native_target
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     start = time.perf_counter()
-    g = source if isinstance(source, Graph) else Graph.from_onnx(source)
+    g = source if isinstance(source, Graph) else \
+        Graph.from_onnx(source, conv_algorithm=conv_algorithm)
     target = get_target(native_target() if target == "native" else target)
     out_dir = os.fspath(out_dir)
     doc = rm.graph_doc(g)

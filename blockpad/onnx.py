@@ -9,7 +9,9 @@ tests/test_onnx.py); the graph then picks blocked layouts and kernels as for any
 =====================  ===========================================================================
 ONNX                   blockpad
 =====================  ===========================================================================
-Conv                   ``conv2d`` (group, dilations, strides, per-side ``pads``, ``auto_pad``)
+Conv                   ``conv2d`` (group, dilations, strides, per-side ``pads``, ``auto_pad``);
+                       ``algorithm="auto"`` unless ``conv_algorithm="direct"``: 3x3 stride-1
+                       convolutions run as Winograd where ``blockpad.winograd`` says it pays
 BatchNormalization     folded into the convolution that is its input's only producer and reader
                        (weights scaled, bias shifted); otherwise a per-channel ``mul`` and ``add``
 Relu, Sigmoid          ``eltwise`` relu, sigmoid
@@ -130,19 +132,28 @@ def _nodes(proto, opset):
 
 # ---- the importer -----------------------------------------------------------------------------
 
-def from_onnx(model, input_shapes=None, **options):
+CONV_ALGORITHMS = ("auto", "direct")
+
+
+def from_onnx(model, input_shapes=None, conv_algorithm="auto", **options):
     """The graph of ``model`` (a path, serialized bytes or an ``onnx.ModelProto``).
 
     ``input_shapes``: {input name: shape} for inputs whose dims the model leaves symbolic
-    (a batch dim) or that you want at another size; ``options``: ``bp.Graph``'s (policy,
-    cache, block, ...). The graph's inputs and outputs are the model's, by name."""
+    (a batch dim) or that you want at another size; ``conv_algorithm``: the ``algorithm`` of
+    every ``conv2d`` (``"auto"``: Winograd where the cost model of ``blockpad.winograd`` says
+    it pays, within its error bound; ``"direct"``: never, for comparison); ``options``:
+    ``bp.Graph``'s (policy, cache, block, ...). The graph's inputs and outputs are the
+    model's, by name."""
     from blockpad.runtime.graph import Graph
 
+    if conv_algorithm not in CONV_ALGORITHMS:
+        raise UnsupportedModelError(f"conv_algorithm: expected one of "
+                                    f"{', '.join(CONV_ALGORITHMS)}; got {conv_algorithm!r}")
     proto = _load(model)
     opset = _opset(proto)
     nodes = _nodes(proto, opset)
     g = Graph(**{"name": proto.graph.name or "onnx", **options})
-    _Importer(proto, nodes, dict(input_shapes or {})).build(g)
+    _Importer(proto, nodes, dict(input_shapes or {}), conv_algorithm).build(g)
     return g
 
 
@@ -150,9 +161,10 @@ _ELEM = {1: "float32"}   # TensorProto.FLOAT; the importer is fp32
 
 
 class _Importer(QuantizedOps):
-    def __init__(self, proto, nodes, input_shapes):
+    def __init__(self, proto, nodes, input_shapes, conv_algorithm):
         onnx = _onnx()
         self.proto, self.nodes = proto, nodes
+        self.conv_algorithm = conv_algorithm
         self.consts = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
         self.inputs = {}
         for vi in proto.graph.input:
@@ -332,7 +344,8 @@ class _Importer(QuantizedOps):
                          node.opset)
         self._emit(node, "conv2d", x, self._param(node, "weight", w),
                    self._param(node, "bias", bias) if bias is not None else None,
-                   stride=stride, pad=pad, dilation=dilation, groups=groups)
+                   stride=stride, pad=pad, dilation=dilation, groups=groups,
+                   algorithm=self.conv_algorithm)
 
     def _foldable_bn(self, node, out):
         readers = self.readers.get(out, [])

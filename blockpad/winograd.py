@@ -47,6 +47,8 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import numpy as np
+
 from .errors import SpecError
 from .layout import Layout
 
@@ -133,6 +135,23 @@ def weights_layout(k: int, c: int, m: int, block: int = 16, dtype="float32") -> 
     ``block`` output channels, the C x block panel the GEMM's register tile reads as
     vectors."""
     return Layout(f"hwOi{block}o", weights_shape(k, c, m), dtype)
+
+
+def domain_tile(layout: Layout, weights_shape) -> int | None:
+    """m if ``layout`` holds the Winograd-domain form of 3x3 weights of ``weights_shape``
+    ((K, C, 3, 3) in, (K, C, m + 2, m + 2) held), else None (the weights as they are)."""
+    if layout.rank == len(weights_shape) == 4 and tuple(weights_shape[2:]) == (3, 3) and \
+            tuple(layout.shape[2:]) != (3, 3):
+        return layout.shape[2] - 2
+    return None
+
+
+def transform(w, m: int):
+    """U = G w G^T of (K, C, 3, 3) weights ``w`` for F(m x m, 3 x 3), in float64 (numpy): the
+    reference the ``winograd_weights`` kernel is checked against, and how a model build packs
+    its weights."""
+    g = np.array(matrices(m)[1], dtype=np.float64)
+    return np.einsum("er,kcrs,ns->kcen", g, np.asarray(w, dtype=np.float64), g)
 
 
 def transform_name(kernel: str) -> str:

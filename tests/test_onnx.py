@@ -97,6 +97,33 @@ def test_conv_attributes(cache):
     check(model(nodes, {"x": (c, 9, 8)}, outs, inits), {"x": (c, 9, 8)}, cache=cache)
 
 
+def test_conv_algorithm_auto_is_winograd_where_it_pays(cache):
+    """Convolutions import as ``algorithm="auto"``: the eligible 3x3 stride-1 one at 48
+    channels on 16x16 runs as Winograd (the cost model's pick; its weights transformed once,
+    ``hwOi16o``), the 3x3 stride-2 and the 1x1 direct; all match ONNX Runtime. With
+    ``conv_algorithm="direct"`` nothing is Winograd."""
+    from blockpad import winograd
+
+    rng = np.random.default_rng(7)
+    c, hw = 48, 16
+    assert winograd.choose(1, c, c, hw, hw) is not None      # what the test relies on
+    nodes = [node("Conv", ["x", "w3", "b3"], "a", pads=[1, 1, 1, 1]),
+             node("Relu", ["a"], "r"),
+             node("Conv", ["r", "w1"], "p"),
+             node("Conv", ["p", "w3"], "s2", pads=[1, 1, 1, 1], strides=[2, 2])]
+    inits = {"w3": rand(rng, c, c, 3, 3, scale=0.1), "b3": rand(rng, c),
+             "w1": rand(rng, c, c, 1, 1, scale=0.2)}
+    m = model(nodes, {"x": (c, hw, hw)}, ["s2"], inits)
+    g = check(m, {"x": (c, hw, hw)}, batches=(1,), cache=cache)
+    assert [n.attrs["algorithm"] for n in g.nodes if n.op == "conv2d"] == ["auto"] * 3
+    x = np.zeros((1, c, hw, hw), np.float32)
+    assert g.plan(x=x).describe().count("hwOi16o") == 1
+    direct = check(m, {"x": (c, hw, hw)}, batches=(1,), cache=cache, conv_algorithm="direct")
+    assert "hwOi" not in direct.plan(x=x).describe()
+    with pytest.raises(UnsupportedModelError, match="conv_algorithm"):
+        bp.Graph.from_onnx(m, {"x": (1, c, hw, hw)}, conv_algorithm="winograd")
+
+
 # ---- batch norm, activations, broadcasting ----------------------------------------------------
 
 def _bn(rng, k, prefix):

@@ -144,8 +144,9 @@ def _spawn(name, threads, paths, args) -> dict:
 
 # ---- the driver -------------------------------------------------------------------------------
 
-def prepare(name, batch, hw, seed, target, log=print) -> dict:
-    """Export the network to ONNX and build it with blockpad (both skipped when up to date)."""
+def prepare(name, batch, hw, seed, target, log=print, conv_algorithm="auto") -> dict:
+    """Export the network to ONNX and build it with blockpad (both skipped when up to date);
+    ``conv_algorithm``: ``build_model``'s (``direct``: no Winograd, for comparison)."""
     from blockpad import models
     from blockpad.model_build import build_model
 
@@ -157,18 +158,20 @@ def prepare(name, batch, hw, seed, target, log=print) -> dict:
         models.export_onnx(name, onnx_path, batch, hw, seed)
     x_path = os.path.join(work, "x.npy")
     np.save(x_path, models.sample_input(batch, hw))
-    model_dir = os.path.join(work, f"blockpad_{target}")
+    model_dir = os.path.join(work, f"blockpad_{target}" +
+                             ("" if conv_algorithm == "auto" else f"_{conv_algorithm}"))
     t0 = time.perf_counter()
-    build_model(onnx_path, target, model_dir, log=log)
+    build_model(onnx_path, target, model_dir, log=log, conv_algorithm=conv_algorithm)
     log(f"blockpad build: {time.perf_counter() - t0:.1f} s")
     return {"work": work, "onnx": onnx_path, "input": x_path, "dir": model_dir}
 
 
-def main(model="resnet50", batch=1, hw=224, repeat=5, threads=None, target=None, seed=0):
+def main(model="resnet50", batch=1, hw=224, repeat=5, threads=None, target=None, seed=0,
+         conv_algorithm="auto"):
     from blockpad.runtime.tvm_runtime import default_threads
 
     target = target or native_target()
-    paths = prepare(model, batch, hw, seed, target)
+    paths = prepare(model, batch, hw, seed, target, conv_algorithm=conv_algorithm)
     cores = default_threads()
     counts = [threads] if threads else sorted({1, cores})
     args = argparse.Namespace(model=model, repeat=repeat, seed=seed)
@@ -177,14 +180,15 @@ def main(model="resnet50", batch=1, hw=224, repeat=5, threads=None, target=None,
         for name in CONTENDERS:
             print(f"running {name} at {t} thread(s) ...", file=sys.stderr, flush=True)
             results[(name, t)] = _spawn(name, t, paths, args)
-    _report(model, batch, hw, target, counts, results)
+    _report(model, batch, hw, target, counts, results, conv_algorithm)
 
 
-def _report(model, batch, hw, target, counts, results):
+def _report(model, batch, hw, target, counts, results, conv_algorithm="auto"):
     ref = next((np.load(r["y"]) for (n, _), r in results.items()
                 if n == "torch NCHW" and "y" in r), None)
-    print(f"\nbenchmark: {model}, batch {batch}, {hw}x{hw}, fp32; blockpad kernels for {target}; "
-          f"each contender in its own process (figures from a shared machine are rough)")
+    print(f"\nbenchmark: {model}, batch {batch}, {hw}x{hw}, fp32; blockpad kernels for {target} "
+          f"(convolutions: {conv_algorithm}); each contender in its own process (figures from a "
+          f"shared machine are rough)")
     rows = []
     for (name, t), r in results.items():
         if "error" in r:

@@ -64,6 +64,5 @@ def winograd_weights(cache, src: Memory, dst: Memory) -> None:
     if kernel is not None:
         kernel(src, dst)
         return
-    g = np.array(winograd.matrices(m)[1], dtype=np.float64)
-    u = np.einsum("er,kcrs,ns->kcen", g, src.to_numpy().astype(np.float64), g)
+    u = winograd.transform(src.to_numpy(), m)
     write_logical(dst, u.astype(dst.buffer.dtype))

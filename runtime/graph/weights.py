@@ -19,6 +19,7 @@ import threading
 
 import numpy as np
 
+from blockpad import winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, numpy_dtype
 
@@ -44,9 +45,11 @@ class WeightCache:
         self.arrays[name] = self._keep(array)
 
     def add_prepacked(self, name, shape, dtype, memories) -> None:
-        """``name`` known only in the layouts of ``memories`` (clean Memories of ``shape``)."""
+        """``name`` known only in the layouts of ``memories`` (clean Memories of ``shape``, or
+        of 3x3 weights' Winograd-domain transform: ``blockpad.winograd.domain_tile``)."""
         for mem in memories:
-            if mem.layout.dtype != dtype or math.prod(mem.layout.shape) != math.prod(shape):
+            if mem.layout.dtype != dtype or (math.prod(mem.layout.shape) != math.prod(shape)
+                                             and winograd.domain_tile(mem.layout, shape) is None):
                 raise ArgumentError(f"{name}: a prepacked memory of {list(shape)} {dtype} has "
                                     f"layout {mem.layout}")
             self._prepared[(name, mem.layout)] = mem
@@ -118,7 +121,7 @@ class WeightCache:
     def _reorder(self, name, mem, report):
         src = self.arrays[name]
         lay = mem.layout
-        if lay.rank == np.ndim(src) == 4 and tuple(lay.shape[2:]) != tuple(np.shape(src)[2:]):
+        if winograd.domain_tile(lay, np.shape(src)) is not None:
             # Winograd-domain weights (K, C, m + 2, m + 2) of 3x3 ones: transformed, not reordered
             src_mem = Memory(Layout("oihw", np.shape(src), lay.dtype),
                              np.ascontiguousarray(src).reshape(-1))
