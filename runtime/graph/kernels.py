@@ -5,8 +5,6 @@ cache, else numpy)."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from blockpad import winograd
 
 from ..cache import Request
