@@ -72,8 +72,26 @@ def main(what="conv", repeat=5, threads=None, quick=False, png=None):
         rows = json.loads(proc.stdout.strip().splitlines()[-1])
         report(what, n, rows, repeat)
         results += [{**r, "threads": n} for r in rows]
+    report_scaling(results)
     plot(what, results, png or str(BUILD / f"bench_{what}.png"))
     return results
+
+
+def report_scaling(results) -> None:
+    """Per kernel and contender, GFLOP/s at the most threads over GFLOP/s at 1 thread (issue
+    15's target: 2 threads >= 1.8x one), where both thread counts were run."""
+    counts = sorted({r["threads"] for r in results})
+    if len(counts) < 2 or counts[0] != 1:
+        return
+    n = counts[-1]
+    at = {(r["kernel"], r["threads"]): r for r in results}
+    names = [k for k in results[0]["gflops"] if not k.startswith("peak")]
+    body = [[r["shape"], *[f"{r['gflops'][k] / at[(r['kernel'], 1)]['gflops'][k]:.2f}x"
+                           for k in names]]
+            for r in results if r["threads"] == n and (r["kernel"], 1) in at]
+    print(f"\nthread scaling: GFLOP/s at {n} threads / at 1 thread (medians; target >= "
+          f"{0.9 * n:.1f}x)")
+    print(table(body, ["shape", *names]))
 
 
 def report(what, threads, rows, repeat):
