@@ -15,6 +15,7 @@ import blockpad as bp
 from blockpad.check import execute
 from blockpad.codegen.build import make_kernels
 from blockpad.codegen.spec import parse_spec
+from blockpad.runtime.cache import KernelCache
 from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS, POLICIES
 
 from .reference import conv_reference
@@ -293,3 +294,92 @@ def test_random_chains(tmp_path_factory, entry):
     runner = execute.Native(str(d))
     result = execute.run_case(0, {"name": "k"}, 0, runner)
     assert (result["status"], result["guard_bytes"]) == ("ok", 0), (entry, result["problems"])
+
+
+# ---- the Graph: chains whose entries name their tensors --------------------------------------
+
+@pytest.fixture(scope="module")
+def jit(tmp_path_factory):
+    return bp.jit_cache(cache_dir=tmp_path_factory.getbasetemp() / "bp-jit")
+
+
+def _graph(cache, policy):
+    """A conv2d (20 -> 20 channels: nChw16c pads them) and a matmul (40 columns), each with
+    a chain of sums and binary entries whose tensors are graph inputs."""
+    g = bp.Graph(policy=policy, cache=cache)
+    x, s0, s1 = g.input("x", (1, 20, 5, 6)), g.input("s0", (1, 20, 5, 6)), g.input("s1", (1, 20, 5, 6))
+    full, per_k, one = g.input("full", (1, 20, 5, 6)), g.input("k", (20,)), g.input("one", (1,))
+    w = g.input("w", (20, 20, 3, 3))
+    y = g.conv2d(x, w, pad=1, sum=s0, name="conv", post_ops=[
+        {"kind": "binary", "algorithm": "mul", "operand": per_k},
+        {"kind": "sum", "scale": 0.5, "zero_point": 1, "operand": s1}, "relu",
+        {"kind": "sum", "scale": 2.0},                   # sum=: the one naming no tensor
+        {"kind": "binary", "algorithm": "add", "operand": full},
+        {"kind": "binary", "algorithm": "prelu", "operand": one}])
+    a, wm, bias = g.input("a", (3, 30)), g.input("wm", (30, 40)), g.input("bias", (40,))
+    sm, cols = g.input("sm", (3, 40)), g.input("cols", (40,))
+    z = g.matmul(a, wm, bias, sum=sm, name="mm", post_ops=[
+        "bias", {"kind": "binary", "algorithm": "max", "operand": cols}, "sum",
+        {"kind": "binary", "algorithm": "min", "operand": one}])
+    g.output(y, z)
+    return g
+
+
+def _graph_inputs(rng):
+    shapes = {"x": (1, 20, 5, 6), "s0": (1, 20, 5, 6), "s1": (1, 20, 5, 6), "full": (1, 20, 5, 6),
+              "k": (20,), "one": (1,), "w": (20, 20, 3, 3), "a": (3, 30), "wm": (30, 40),
+              "bias": (40,), "sm": (3, 40), "cols": (40,)}
+    return {n: rng.standard_normal(s).astype("float32") for n, s in shapes.items()}
+
+
+def _graph_want(v):
+    conv = conv_reference(v["x"].astype(np.float64), v["w"].astype(np.float64),
+                          {"stride": (1, 1), "pad": (1, 1), "dilation": (1, 1), "groups": 1})
+    ch = (slice(None), None, None)
+    y = conv * v["k"][ch]
+    y = np.maximum(y + 0.5 * (v["s1"] - 1), 0) + 2.0 * v["s0"] + v["full"]
+    y = np.where(y >= 0, y, y * v["one"][0])
+    z = v["a"].astype(np.float64) @ v["wm"] + v["bias"]
+    z = np.minimum(np.maximum(z, v["cols"]) + v["sm"], v["one"][0])
+    return y, z
+
+
+@pytest.mark.parametrize("policy", ["dst_fused", "tracked", "src"])
+def test_graph_runs_chains_with_named_operands(jit, policy, rng):
+    g = _graph(jit, policy)
+    v = _graph_inputs(rng)
+    res = g.run(**v)
+    assert res.report.fallbacks == {}
+    want_y, want_z = _graph_want(v)
+    np.testing.assert_allclose(res["conv"].numpy(), want_y, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(res["mm"].numpy(), want_z, rtol=1e-4, atol=1e-4)
+
+
+def test_graph_numpy_fallback_runs_the_same_chains(tmp_path, rng):
+    """No compiler: the graph's own numpy references (runtime/graph/ops.py) apply the chain."""
+    g = _graph(KernelCache(compiler=None, cache_dir=tmp_path), "dst_fused")
+    v = _graph_inputs(rng)
+    res = g.run(**v)
+    assert set(res.report.fallbacks.values()) == {"numpy"}
+    want_y, want_z = _graph_want(v)
+    np.testing.assert_allclose(res["conv"].numpy(), want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(res["mm"].numpy(), want_z, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("post_ops,kw,message", [
+    ([{"kind": "binary", "algorithm": "mul"}], {}, "needs its second tensor"),
+    ([{"kind": "binary", "algorithm": "sub", "operand": "t"}], {}, "algorithm must be one of"),
+    (["sum", "sum"], {"sum": "s"}, "post_ops has 2 that name no operand"),
+    ([{"kind": "sum", "operand": "s"}], {"sum": "s"}, "post_ops has no 'sum' entry"),
+    ([{"kind": "sum", "operand": "s", "zero_point": 0.5}], {}, "zero_point must be an integer"),
+    ([{"kind": "binary", "operand": "bad"}], {}, "must be \\(1, 8, 4, 4\\); got \\(1, 7, 4, 4\\)"),
+    ([{"kind": "binary", "operand": "k7"}], {}, "must be \\(8,\\); got \\(7,\\)"),
+])
+def test_graph_refuses_bad_chains(post_ops, kw, message):
+    g = bp.Graph()
+    x = g.input("x", (1, 8, 4, 4))
+    for n, s in (("s", (1, 8, 4, 4)), ("t", (1, 8, 4, 4)), ("bad", (1, 7, 4, 4)), ("k7", (7,))):
+        g.input(n, s)
+    w = g.constant("w", np.ones((8, 8, 1, 1), "float32"))
+    with pytest.raises(bp.ArgumentError, match=message):
+        g.conv2d(x, w, post_ops=post_ops, **kw)

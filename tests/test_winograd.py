@@ -92,7 +92,7 @@ def _run(lib, name, rng):
     if "sum" in lays:
         s = rng.standard_normal(lays["sum"].shape).astype("float32")
         extra.append(bp.Memory.from_numpy(s, lays["sum"]))
-        ref_extra["sum_input"] = s
+        ref_extra["operands"] = {"sum": s}
     dst = lib.memory(lays["dst"])
     lib[name](bp.Memory.from_numpy(x, src), u, *extra, dst)
     ref = conv_ref(x, w, pad=tuple(p["pad"]), post_ops=p["post_ops"], **ref_extra)

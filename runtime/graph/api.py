@@ -18,10 +18,15 @@ from blockpad import winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, dtype_name, pad_sides
 from blockpad.vocabulary import (
+    BINARY_POST_OPS,
     DEFAULT_POLICY,
+    MAX_BINARIES,
+    MAX_SUMS,
     POLICIES,
     POST_OP_DEFAULTS,
+    POST_OP_TENSORS,
     QUANT_DEFAULTS,
+    post_op_tensors,
     with_defaults,
 )
 
@@ -300,7 +305,11 @@ class Graph:
         ``pad``: symmetric, an int or (h, w), or per side ((top, bottom), (left, right)).
         ``post_ops``: oneDNN's chain
         fused into the kernel, e.g. ``["bias", "relu"]`` or dicts ``{"kind": "eltwise",
-        "algorithm": "relu"}``, ``{"kind": "sum", "scale": 1.0}`` (reads ``sum``). A ``bias``
+        "algorithm": "relu"}``, ``{"kind": "sum", "scale": 1.0, "zero_point": 0}`` (reads
+        ``sum``), ``{"kind": "binary", "algorithm": "mul", "operand": t}`` (add, mul, max, min,
+        prelu; ``t`` a (1,), (K,) or result-shaped tensor: per tensor, per channel, full). A
+        sum may name its own tensor the same way (``"operand": t``), so a chain can hold
+        several; ``sum=`` is the tensor of the one sum entry that names none. A ``bias``
         given without a chain is applied first; a ``sum`` tensor has no such default place in
         the chain (before or after an activation differ), so it needs its ``"sum"`` entry.
         ``algorithm``: ``"direct"``, ``"winograd"``
@@ -317,26 +326,15 @@ class Graph:
         if winograd_tile not in (None, *WINOGRAD_TILES):
             raise ArgumentError(f"conv2d: winograd_tile must be one of {WINOGRAD_TILES}; got "
                                 f"{winograd_tile!r}")
-        chain = [_post_op(p) for p in post_ops]
-        if bias is not None and not any(p["kind"] == "bias" for p in chain):
-            chain.insert(0, {"kind": "bias"})
-        if any(p["kind"] == "bias" for p in chain) and bias is None:
-            raise ArgumentError("conv2d: a 'bias' post-op needs the bias tensor")
-        if any(p["kind"] == "sum" for p in chain) and sum is None:
-            raise ArgumentError("conv2d: a 'sum' post-op needs the tensor to add (sum=...)")
-        if sum is not None and not any(p["kind"] == "sum" for p in chain):
-            raise ArgumentError("conv2d: sum= was given but post_ops has no 'sum' entry, so the "
-                                "tensor would not be added; put 'sum' in post_ops where it "
-                                "applies, e.g. post_ops=['sum', 'relu']")
+        chain, tensors = self._chain("conv2d", post_ops, bias, sum_tensor=sum)
         quant = self._quant("conv2d", x, scale, chain, bias, src_zero_point=src_zero_point,
                             scales=scales, dst_scale=dst_scale, dst_zero_point=dst_zero_point,
                             dst_dtype=dst_dtype)
-        inputs = [x, weights] + ([scale] if quant else []) + \
-            ([bias] if bias is not None else []) + ([sum] if sum is not None else [])
+        inputs = [x, weights] + ([scale] if quant else []) + tensors
         attrs = {"stride": _pair(stride), "pad": pad_sides(pad), "dilation": _pair(dilation),
                  "groups": int(groups), "post_ops": chain, "bias": bias is not None,
-                 "sum": sum is not None, "algorithm": algorithm, "winograd_tile": winograd_tile,
-                 **({"quant": quant} if quant else {})}
+                 "sum": any(p["kind"] == "sum" for p in chain), "algorithm": algorithm,
+                 "winograd_tile": winograd_tile, **({"quant": quant} if quant else {})}
         return self.add_op("conv2d", inputs, attrs, name, _outs(out))
 
     def _quant(self, op, x, scale, chain, bias, **attrs) -> dict | None:
@@ -383,24 +381,63 @@ class Graph:
 
     def matmul(self, x, weights, bias=None, post_ops=(), name=None, out=None, scale=None,
                src_zero_point=0, scales="channel", dst_scale=1.0, dst_zero_point=0,
-               dst_dtype=None) -> Tensor:
+               dst_dtype=None, sum=None) -> Tensor:  # noqa: A002 (oneDNN's)
         """``x (M, K) @ weights (K, N)`` (+ ``bias`` (N,)), with a post-op chain as conv2d's
-        (``bias`` and eltwise kinds), and conv2d's quantization attributes for a uint8/int8
-        source."""
-        chain = [_post_op(p) for p in post_ops]
-        if bias is not None and not any(p["kind"] == "bias" for p in chain):
-            chain.insert(0, {"kind": "bias"})
-        if any(p["kind"] == "sum" for p in chain):
-            raise ArgumentError("matmul: the graph's matmul takes bias and eltwise post-ops")
-        if any(p["kind"] == "bias" for p in chain) and bias is None:
-            raise ArgumentError("matmul: a 'bias' post-op needs the bias tensor")
+        (per-channel binary operands are (N,)), and conv2d's quantization attributes for a
+        uint8/int8 source."""
+        chain, tensors = self._chain("matmul", post_ops, bias, sum_tensor=sum)
         quant = self._quant("matmul", x, scale, chain, bias, src_zero_point=src_zero_point,
                             scales=scales, dst_scale=dst_scale, dst_zero_point=dst_zero_point,
                             dst_dtype=dst_dtype)
-        inputs = [x, weights] + ([scale] if quant else []) + ([bias] if bias is not None else [])
+        inputs = [x, weights] + ([scale] if quant else []) + tensors
         return self.add_op("matmul", inputs, {"post_ops": chain, "bias": bias is not None,
+                                              "sum": any(p["kind"] == "sum" for p in chain),
                                               **({"quant": quant} if quant else {})},
                            name, _outs(out))
+
+    def _chain(self, op, post_ops, bias, sum_tensor):
+        """A conv2d's or matmul's chain (defaults filled in, a binary entry's ``operand`` the
+        shape of the tensor it names) and the tensors it reads, in the kernel's argument order
+        (``vocabulary.POST_OP_TENSORS``: bias, sum, sum_1, ..., binary_0, ...)."""
+        chain, operands = [], []
+        for p in post_ops:
+            entry, t = _post_op(p)
+            chain.append(entry)
+            operands.append(t)
+        if bias is not None and not any(p["kind"] == "bias" for p in chain):
+            chain.insert(0, {"kind": "bias"})
+            operands.insert(0, None)
+        if any(p["kind"] == "bias" for p in chain) and bias is None:
+            raise ArgumentError(f"{op}: a 'bias' post-op needs the bias tensor")
+        unnamed = [i for i, (p, t) in enumerate(zip(chain, operands))
+                   if p["kind"] == "sum" and t is None]
+        if sum_tensor is not None and not unnamed:
+            raise ArgumentError(f"{op}: sum= was given but post_ops has no 'sum' entry (naming "
+                                f"no operand of its own), so the tensor would not be added; put "
+                                f"'sum' in post_ops where it applies, e.g. post_ops=['sum', "
+                                f"'relu']")
+        if len(unnamed) > 1:
+            raise ArgumentError(f"{op}: sum= is the tensor of one 'sum' entry; post_ops has "
+                                f"{len(unnamed)} that name no operand: give the others theirs "
+                                f"({{'kind': 'sum', 'operand': t}})")
+        if sum_tensor is None and unnamed:
+            raise ArgumentError(f"{op}: a 'sum' post-op needs the tensor to add (sum=..., or "
+                                f"its own 'operand')")
+        if sum_tensor is not None:
+            operands[unnamed[0]] = sum_tensor
+        by_name = {} if bias is None else {"bias": bias}
+        for p, t, name in zip(chain, operands, post_op_tensors(chain)):
+            if p["kind"] == "binary":
+                shape = self._types[self._var(t)][0]
+                p["operand"] = "full" if len(shape) > 1 else "tensor" if shape == (1,) \
+                    else "channel"
+            if t is not None:
+                by_name[name] = t
+        if sum(p["kind"] == "sum" for p in chain) > MAX_SUMS or \
+                sum(p["kind"] == "binary" for p in chain) > MAX_BINARIES:
+            raise ArgumentError(f"{op}: a chain holds at most {MAX_SUMS} sums and "
+                                f"{MAX_BINARIES} binary post-ops")
+        return chain, [by_name[n] for n in POST_OP_TENSORS if n in by_name]
 
     def reshape(self, x, shape, name=None, out=None) -> Tensor:
         """The same elements in ``shape`` (one -1 is inferred): no copy when the input has no
@@ -603,6 +640,8 @@ def _pair(v):
 
 
 def _post_op(p):
+    """``(entry, operand)``: a post-op as the kernels spell it, with its defaults, and the
+    tensor it names under ``operand`` (a sum's or a binary entry's; None if it names none)."""
     if isinstance(p, str):
         if p in ELTWISE:
             p = {"kind": "eltwise", "algorithm": p}
@@ -610,12 +649,25 @@ def _post_op(p):
             p = {"kind": p}
         else:
             raise ArgumentError(f"post-op {p!r}: expected bias, sum or an eltwise algorithm")
-    if p.get("kind") not in POST_OP_DEFAULTS:
-        raise ArgumentError(f"post-op {p!r}: kind must be bias, eltwise or sum")
+    if not isinstance(p, dict) or p.get("kind") not in POST_OP_DEFAULTS:
+        raise ArgumentError(f"post-op {p!r}: kind must be one of {', '.join(POST_OP_DEFAULTS)}")
+    p = dict(p)
+    operand = p.pop("operand", None) if p["kind"] in ("sum", "binary") else None
+    if p["kind"] == "binary":
+        if operand is None:
+            raise ArgumentError(f"post-op {p!r}: a binary post-op needs its second tensor "
+                                f"(\"operand\": a (1,), (channels,) or result-shaped Tensor)")
+        if p.get("algorithm", "add") not in BINARY_POST_OPS:
+            raise ArgumentError(f"post-op {p!r}: algorithm must be one of "
+                                f"{', '.join(BINARY_POST_OPS)}")
     p = with_defaults(p)
     for k in ("alpha", "beta", "scale"):
         if k in p:
             p[k] = float(p[k])
-    return p
+    if "zero_point" in p:
+        if not isinstance(p["zero_point"], (int, np.integer)) or isinstance(p["zero_point"], bool):
+            raise ArgumentError(f"post-op {p!r}: zero_point must be an integer")
+        p["zero_point"] = int(p["zero_point"])
+    return p, operand
 
 

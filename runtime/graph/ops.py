@@ -17,7 +17,7 @@ import numpy as np
 from blockpad import qlinear, winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
-from blockpad.vocabulary import QUANT_DEFAULTS, with_defaults
+from blockpad.vocabulary import POST_OP_TENSORS, QUANT_DEFAULTS, post_op_tensors, with_defaults
 
 from ..cache import Request
 
@@ -313,9 +313,10 @@ def conv_out_shape(src, channels, kernel, stride, pad, dilation):
 
 
 def conv_ref(x, w, bias=None, stride=(1, 1), pad=(0, 0), dilation=(1, 1), groups=1,
-             post_ops=(), sum_input=None):
+             post_ops=(), operands=None):
     """Direct convolution in float64 (NCHW source, (K, C/groups, KH, KW) weights, ``pad``
-    symmetric or per side), then the post-op chain in order."""
+    symmetric or per side), then the post-op chain in order (``chain_ref``; ``operands``: the
+    sums' and binary entries' tensors by argument name)."""
     x, w = x.astype(np.float64), w.astype(np.float64)
     k, cg, kh, kw = w.shape
     xp = np.pad(x, ((0, 0), (0, 0), *pad_sides(pad)))
@@ -331,14 +332,59 @@ def conv_ref(x, w, bias=None, stride=(1, 1), pad=(0, 0), dilation=(1, 1), groups
                 win = xs[:, :, h0:h0 + stride[0] * (oh - 1) + 1:stride[0],
                          w0:w0 + stride[1] * (ow - 1) + 1:stride[1]]
                 out[:, g * kg:(g + 1) * kg] += np.einsum("nchw,kc->nkhw", win, ws[:, :, i, j])
-    for p in map(with_defaults, post_ops):
+    return chain_ref(out, post_ops, {**(operands or {}), "bias": bias})
+
+
+_BINARY_REF = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
+               "prelu": lambda v, b: np.where(v >= 0, v, v * b)}
+
+
+def chain_ref(v, post_ops, tensors):
+    """``v`` (float64, channels on axis 1) through a post-op chain, reading ``tensors`` by
+    argument name (``bias``, ``sum``, ``sum_1``, ..., ``binary_0``, ...)."""
+    channel = (slice(None),) + (None,) * (v.ndim - 2)
+    for p, name in zip(map(with_defaults, post_ops), post_op_tensors(post_ops)):
+        t = None if name is None else tensors[name].astype(np.float64)
         if p["kind"] == "bias":
-            out += bias.astype(np.float64).reshape(1, -1, 1, 1)
+            v = v + t[channel]
         elif p["kind"] == "sum":
-            out += p["scale"] * sum_input.astype(np.float64)
+            v = v + p["scale"] * (t - p["zero_point"])
+        elif p["kind"] == "binary":
+            b = t if p["operand"] == "full" else t[0] if p["operand"] == "tensor" else t[channel]
+            v = _BINARY_REF[p["algorithm"]](v, b)
         else:
-            out = eltwise_ref(out, p["algorithm"], p["alpha"], p["beta"])
-    return out
+            v = eltwise_ref(v, p["algorithm"], p["alpha"], p["beta"])
+    return v
+
+
+def post_op_inputs(attrs) -> list:
+    """The argument names of a conv2d's or matmul's post-op tensors, in the order the node
+    takes them as inputs after src, weights and an integer kernel's scale (the kernel's:
+    ``POST_OP_TENSORS``)."""
+    names = set(post_op_tensors(attrs["post_ops"]))
+    return [n for n in POST_OP_TENSORS if n in names]
+
+
+def _post_op_arrays(attrs, rest) -> dict:
+    """The inputs after src and weights (and scale) by argument name."""
+    return dict(zip(post_op_inputs(attrs), rest[1:] if attrs.get("quant") else rest))
+
+
+def check_post_op_inputs(node, types, out, channels: int) -> None:
+    """Each post-op tensor of a conv2d or matmul node has its entry's shape: bias and a
+    per-channel operand (channels,), a per-tensor one (1,), a sum and a full operand the
+    result's; a sum the dtype it names (``dt``) or the result's."""
+    kinds = dict(zip(post_op_tensors(node.attrs["post_ops"]), node.attrs["post_ops"]))
+    for name, (shape, dt) in _post_op_arrays(node.attrs, types[2:]).items():
+        p = with_defaults(kinds[name])
+        want = {"tensor": (1,), "channel": (channels,)}.get(p.get("operand"), out[0]) \
+            if p["kind"] != "bias" else (channels,)
+        if tuple(shape) != tuple(want):
+            raise ArgumentError(f"{node.name}: the {p['kind']} post-op's tensor ({name}) must "
+                                f"be {tuple(want)}; got {tuple(shape)}")
+        if p["kind"] == "sum" and dt != (p["dt"] or out[1]):
+            raise ArgumentError(f"{node.name}: the sum post-op's tensor ({name}) must be "
+                                f"{p['dt'] or out[1]}; got {dt}")
 
 
 # ---- integer convolution and matmul: the quantization attributes ------------------------------
@@ -388,8 +434,9 @@ def _int32_bias(post_ops) -> bool:
 
 class Conv2d(OpInfo):
     """Inputs: src (NCHW), weights ((K, C/groups, KH, KW), PyTorch's convention), then, with
-    quantization attributes (``attrs["quant"]``), the float32 ``scale``, then bias
-    ((K,)) and the sum post-op's tensor if the node has them. Blocked: ``nChw<b>c`` source and
+    quantization attributes (``attrs["quant"]``), the float32 ``scale``, then the post-op
+    chain's tensors in argument order (``post_op_inputs``: bias, sums, binary operands).
+    Blocked: ``nChw<b>c`` source and
     destination with ``Graph.weight_tag``'s weights (``OIhw<b>i<b>o``; grouped ``gOIhw<b>i<b>o``,
     depthwise ``Goihw<b>g``); plain: ``nchw`` with ``oihw`` (``goihw`` when grouped)."""
 
@@ -414,14 +461,7 @@ class Conv2d(OpInfo):
         out = conv_out_shape(src, w[0], w[2:], a["stride"], a["pad"], a["dilation"])
         if min(out) < 1:
             raise ArgumentError(f"{node.name}: the kernel does not fit the padded image")
-        k = 3 if a.get("quant") is not None else 2
-        if a["bias"]:
-            if tuple(types[k][0]) != (w[0],):
-                raise ArgumentError(f"{node.name}: bias must be ({w[0]},); got {types[k][0]}")
-            k += 1
-        if a["sum"] and tuple(types[k][0]) != out:
-            raise ArgumentError(f"{node.name}: the sum post-op's tensor must be {out}; got "
-                                f"{types[k][0]}")
+        check_post_op_inputs(node, types, (out, out_dt), w[0])
         if a.get("algorithm") == "winograd" and not self._winograd_fits(a, w, dt):
             raise ArgumentError(f"{node.name}: algorithm 'winograd' needs a 3x3 kernel, stride "
                                 f"1, dilation 1, groups 1 and float32; got kernel {list(w[2:])}, "
@@ -452,7 +492,7 @@ class Conv2d(OpInfo):
         (src, dt), (w, _) = types[:2]
         q = a.get("quant")
         names = ["src", "weights"] + (["scale"] if q is not None else []) + \
-            (["bias"] if a["bias"] else []) + (["sum"] if a["sum"] else []) + ["dst"]
+            post_op_inputs(a) + ["dst"]
         params = {"channels": int(w[0]), "kernel": list(w[2:]), "stride": list(a["stride"]),
                   "pad": pad_sides_param(a["pad"]), "dilation": list(a["dilation"]),
                   "groups": int(a["groups"]), "post_ops": [dict(p) for p in a["post_ops"]],
@@ -484,7 +524,8 @@ class Conv2d(OpInfo):
             else:
                 wl = self._weights(w, wdt, groups, graph.weight_tag(block, groups, depthwise))
             s, d = blocked(src, dt, block), blocked(out_shape, out_dt, block)
-            rest = [plain(t[0], t[1]) if len(t[0]) == 1 else d for t in extra] + [d]
+            rest = [plain(t[0], t[1]) if len(t[0]) == 1 else blocked(*t, block)
+                    for t in extra] + [d]
             if groups == 1 and tile is None and 2 * src[1] <= block:
                 # at most half a block of input channels (an image's 3): read them plain, as
                 # ONNX Runtime's NCHWc convolutions do, rather than reduce over a block of
@@ -508,10 +549,9 @@ class Conv2d(OpInfo):
         w = w.reshape(w.shape[0] if w.ndim == 4 else w.shape[0] * w.shape[1], *w.shape[-3:])
         if a.get("quant") is not None:
             return [self._quantized_ref(node, x, w, rest)]
-        bias = rest.pop(0) if a["bias"] else None
-        summ = rest.pop(0) if a["sum"] else None
-        return [conv_ref(x, w, bias, a["stride"], a["pad"], a["dilation"], a["groups"],
-                         a["post_ops"], summ)]
+        tensors = _post_op_arrays(a, rest)
+        return [conv_ref(x, w, tensors.pop("bias", None), a["stride"], a["pad"], a["dilation"],
+                         a["groups"], a["post_ops"], tensors)]
 
     @staticmethod
     def _quantized_ref(node, x, w, rest):
@@ -623,17 +663,16 @@ class Matmul(OpInfo):
             raise ArgumentError(f"{node.name}: graph matmuls are floating point with weights "
                                 f"of the source's dtype (or integer with quantization "
                                 f"attributes); got {dt} and {wdt}")
-        b = 3 if q is not None else 2
-        if node.attrs["bias"] and tuple(types[b][0]) != (w[1],):
-            raise ArgumentError(f"{node.name}: bias must be ({w[1]},); got {types[b][0]}")
-        return [((src[0], w[1]), out_dt)]
+        out = (src[0], w[1])
+        check_post_op_inputs(node, types, (out, out_dt), w[1])
+        return [(out, out_dt)]
 
     def choices(self, node, types, homes, graph):
         (src, dt), (w, wdt) = types[:2]
         out_shape, out_dt = self.infer(node, types)[0]
         q = node.attrs.get("quant")
         names = ["src", "weights"] + (["scale"] if q is not None else []) + \
-            (["bias"] if node.attrs["bias"] else []) + ["dst"]
+            post_op_inputs(node.attrs) + ["dst"]
         args = [("in", i) for i in range(len(types))] + [("out", 0)]
         out = []
         for wtag in ([] if graph.layouts == "plain" else ["Ba16b"]) + ["ab"]:
@@ -652,14 +691,9 @@ class Matmul(OpInfo):
             acc = qlinear.matmul_acc(x, node.attrs["quant"].get("src_zero_point", 0), w,
                                      bias[0] if node.attrs["bias"] else None)
             return [requantize_ref(node, acc, scale)]
-        x, w, *rest = (a.astype(np.float64) for a in arrays)
-        out = x @ w
-        for p in node.attrs["post_ops"]:
-            if p["kind"] == "bias":
-                out = out + rest[0]
-            else:
-                out = eltwise_ref(out, p["algorithm"], p["alpha"], p["beta"])
-        return [out]
+        x, w, *rest = arrays
+        out = x.astype(np.float64) @ w.astype(np.float64)
+        return [chain_ref(out, node.attrs["post_ops"], _post_op_arrays(node.attrs, rest))]
 
 
 # ---- reshape and concat -----------------------------------------------------------------------

@@ -247,7 +247,9 @@ def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
                 if _definition(nodes, j, other) >= i:
                     continue          # computed after the convolution: cannot be its input
                 chain.append(with_defaults({"kind": "sum"}))
-                inputs = list(n.inputs) + [other]
+                inputs = list(n.inputs)   # the first sum: before the binary operands
+                binaries = sum(p["kind"] == "binary" for p in n.attrs["post_ops"])
+                inputs.insert(len(inputs) - binaries, other)
             else:
                 continue
             if not _touches(nodes, i, j, r.outputs):
