@@ -383,3 +383,21 @@ def test_graph_refuses_bad_chains(post_ops, kw, message):
     w = g.constant("w", np.ones((8, 8, 1, 1), "float32"))
     with pytest.raises(bp.ArgumentError, match=message):
         g.conv2d(x, w, post_ops=post_ops, **kw)
+
+
+def test_graph_fuses_an_add_into_a_chain_with_a_binary_entry(jit, rng):
+    """fuse=("eltwise", "sum"): the add becomes the chain's sum, its tensor placed before the
+    binary operand (the kernel's argument order), then the relu."""
+    g = bp.Graph(cache=jit, fuse=("eltwise", "sum"))
+    x, t, k = g.input("x", (1, 20, 5, 6)), g.input("t", (1, 20, 5, 6)), g.input("k", (20,))
+    w = g.input("w", (20, 20, 3, 3))
+    y = g.conv2d(x, w, pad=1, post_ops=[{"kind": "binary", "algorithm": "mul", "operand": k}])
+    g.output(g.relu(g.add(y, t), name="out"))
+    v = {n: rng.standard_normal(s).astype("float32") for n, s in
+         (("x", (1, 20, 5, 6)), ("t", (1, 20, 5, 6)), ("k", (20,)), ("w", (20, 20, 3, 3)))}
+    res = g.run(**v)
+    assert res.report.fallbacks == {} and len(res.report.fused) == 2
+    conv = conv_reference(v["x"].astype(np.float64), v["w"].astype(np.float64),
+                          {"stride": (1, 1), "pad": (1, 1), "dilation": (1, 1), "groups": 1})
+    want = np.maximum(conv * v["k"][:, None, None] + v["t"], 0)
+    np.testing.assert_allclose(res["out"].numpy(), want, rtol=1e-4, atol=1e-4)
