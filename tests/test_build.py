@@ -226,7 +226,7 @@ def test_parse_time_checks_are_listed_together():
                      r"expected one of relu.*got 'swish'", lines[1])
     assert re.search(r"kernel #2 \(softmax_\w+\): softmax: axis must be an integer in \[-4, 4\)"
                      r".*got 4", lines[2])
-    assert "kernel #4 (conv_sum): sum post-op: its layout must have dst's padded dims" in lines[3]
+    assert "kernel #4 (conv_sum): sum (a sum post-op): its layout must have dst's padded dims" in lines[3]
     assert "kernel #5 (add_inplace): in place needs src0 and dst in one layout" in lines[4]
 
 

