@@ -252,6 +252,19 @@ def test_bounds_reject_a_wrong_result_and_accept_rounding():
     assert "1 of 28 elements wrong; worst at [1, 2]" in execute._compare("dst", got, want, bound)[0]
 
 
+def test_a_float16_subnormal_result_may_be_off_by_half_its_spacing():
+    """10,000-case run, seed 20261121 case 2707: a float16 product, -1.39e-6, is a subnormal
+    (spacing 2**-24 = 6e-8); the kernel rounded it correctly to -1.3709e-6 and failed a purely
+    relative bound (1.4e-9). Every float16 product of subnormal size, rounded, must pass."""
+    rng = np.random.default_rng(1)
+    a, b = (rng.uniform(-4e-3, 4e-3, 4096).astype(np.float16) for _ in range(2))
+    want, bound = execute.reference({"op": "binary", "algorithm": "mul"}, {"src0": a, "src1": b})
+    assert not execute._compare("dst", a * b, want, bound)
+    wrong = (a * b).copy()
+    wrong[7] = np.nextafter(wrong[7], np.float16(1)) + np.float16(6e-8)   # two spacings off
+    assert "1 of 4096 elements wrong" in execute._compare("dst", wrong, want, bound)[0]
+
+
 def test_a_target_this_machine_cannot_run_is_refused_before_building():
     from blockpad import machine
     from blockpad.codegen.targets import get_target

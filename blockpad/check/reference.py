@@ -21,6 +21,19 @@ from blockpad.vocabulary import post_op_tensors
 # unit roundoff of the type a kernel computes in
 UNIT = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11,
         "bfloat16": 2.0 ** -8}
+# half the smallest subnormal of each type: below its smallest normal a type's values are evenly
+# spaced, so one rounding errs by up to this much whatever the value's size (the standard model
+# with gradual underflow: fl(x) = x (1 + d) + e, |d| <= unit, |e| <= this)
+TINY = {"float64": 2.0 ** -1075, "float32": 2.0 ** -150, "float16": 2.0 ** -25,
+        "bfloat16": 2.0 ** -134}
+
+
+def rounding(dtype: str, v):
+    """The error of rounding ``v`` to ``dtype`` once: relative above the smallest normal,
+    absolute below it (a float16 result near 1e-5 is a subnormal with spacing 6e-8)."""
+    return UNIT[dtype] * np.abs(v) + TINY[dtype]
+
+
 # transcendental functions (exp, tanh, erf) are polynomial approximations: allow this many
 # roundings for one evaluation
 FUNCTION_ULPS = 32
@@ -76,7 +89,7 @@ def binary(entry, t):
     if a.dtype.kind in "iu":     # wraps like the kernel's integer arithmetic
         return op(_wide(a), _wide(b)).astype(a.dtype), None
     want = op(_wide(a), _wide(b))
-    return want, 2 * UNIT[a.dtype.name] * np.abs(want)
+    return want, 2 * rounding(a.dtype.name, want)
 
 
 def softmax(entry, t):
@@ -192,7 +205,7 @@ def dot(entry, t):
             v, bound = through(eltwise_fn(p), v, bound, u)
     if "scale" in t:
         return requantize(entry, v, bound)
-    return v, bound + UNIT[dst_type] * np.abs(v)
+    return v, bound + rounding(dst_type, v)
 
 
 def _prelu(v, b, bound):
