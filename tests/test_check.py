@@ -197,6 +197,24 @@ def test_a_crashing_case_is_pinned_down_and_the_batch_goes_on(tmp_path, monkeypa
     assert "signal 6" in results[2]["problems"][0]
 
 
+FAKE_BUILDER = """
+import json, os, sys
+if any(k["name"] == "crash" for k in json.load(sys.stdin)["kernel"]):
+    os.abort()
+"""
+
+
+def test_a_compiler_crash_costs_its_case_only(tmp_path, monkeypatch):
+    """The 10,000-case run died twice inside TVM's LoopPartition, losing the run: builds now
+    run in a child process, split like a failed build until the crashing case is alone."""
+    monkeypatch.setattr(driver, "BUILDER", FAKE_BUILDER)
+    entries = {k: {"name": "crash" if k == 3 else "fine"} for k in (1, 2, 3, 4)}
+    built, failed = driver._build("host", entries, str(tmp_path / "lib"))
+    assert sorted(k for _, ks in built for k in ks) == [1, 2, 4]
+    assert [(r["case"], r["status"]) for r in failed] == [(3, "build-failed")]
+    assert "the compiler died (signal 6)" in failed[0]["problems"][0]
+
+
 def test_a_failure_writes_a_spec_that_reads_back_and_replays(tmp_path):
     entry = generate.case(5, 3, "host", ("conv2d",))
     found = replay.command("host", 5, 3, ("conv2d",))

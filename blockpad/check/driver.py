@@ -3,7 +3,7 @@ TVM's compile cost is paid once per library, not per kernel), run each batch in 
 process, report failures as they come with the command that replays them and a spec that
 builds them.
 
-A batch that fails to build is split in halves until the kernels that fail are alone (the
+A batch that fails to build, or kills the compiler (builds run in a child process), is split in halves until the kernels that fail are alone (the
 others still run). A worker that dies (a crashing kernel) or hangs loses only the case it was
 running: it announces each case before running it, so the case is known, run again alone to
 confirm, and the batch goes on in a new worker from the next case."""
@@ -229,23 +229,51 @@ def describe(entry: dict) -> str:
 def _build(target, entries: dict, out_dir) -> tuple[list, list]:
     """Build ``entries`` as one library; on failure, split until the failing ones are alone.
     Returns ``([(lib_dir, [k...])...], [result of each case that failed to build])``."""
-    import blockpad as bp
-
     ks = list(entries)
-    try:
-        bp.build({"library": {"name": "check"}, "kernel": [entries[k] for k in ks]}, target,
-                 out_dir, log=lambda m: None)
+    failure = _build_library(target, [entries[k] for k in ks], out_dir)
+    if failure is None:
         return [(out_dir, ks)], []
-    except Exception as e:  # noqa: BLE001 - any build failure of a valid spec is a finding
-        if len(ks) > 1:
-            half = len(ks) // 2
-            a = _build(target, {k: entries[k] for k in ks[:half]}, out_dir + "a")
-            b = _build(target, {k: entries[k] for k in ks[half:]}, out_dir + "b")
-            return a[0] + b[0], a[1] + b[1]
-        # a SpecError names an invalid case: the generator should not have drawn it
-        status = "invalid" if isinstance(e, SpecError) else "build-failed"
-        return [], [{"case": ks[0], "status": status, "guard_bytes": 0,
-                     "problems": [f"{type(e).__name__}: {e}"]}]
+    if len(ks) > 1:
+        half = len(ks) // 2
+        a = _build(target, {k: entries[k] for k in ks[:half]}, out_dir + "a")
+        b = _build(target, {k: entries[k] for k in ks[half:]}, out_dir + "b")
+        return a[0] + b[0], a[1] + b[1]
+    status, message = failure
+    return [], [{"case": ks[0], "status": status, "guard_bytes": 0, "problems": [message]}]
+
+
+# The build runs in a child process: a compiler that dies (TVM has segfaulted inside a schedule
+# primitive on a drawn case) costs that case, not the whole run.
+BUILDER = """
+import json, sys
+import blockpad as bp
+from blockpad.errors import SpecError
+try:
+    bp.build(json.load(sys.stdin), sys.argv[1], sys.argv[2], log=lambda m: None)
+except Exception as e:
+    print(json.dumps({"spec_error": isinstance(e, SpecError), "message": f"{type(e).__name__}: {e}"}))
+    sys.exit(1)
+"""
+
+
+def _build_library(target, kernels: list, out_dir) -> tuple[str, str] | None:
+    """``None`` when the kernels build as one library, else ``(status, message)``: ``invalid``
+    for a SpecError (the generator should not have drawn the case), ``build-failed`` for any
+    other error of a valid spec or a compiler that died."""
+    spec = json.dumps({"library": {"name": "check"}, "kernel": kernels})
+    proc = subprocess.run([sys.executable, "-c", BUILDER, target, str(out_dir)], input=spec,
+                          capture_output=True, text=True)
+    if proc.returncode == 0:
+        return None
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 1 and lines:
+        msg = json.loads(lines[-1])
+        return ("invalid" if msg["spec_error"] else "build-failed"), msg["message"]
+    how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+    err = proc.stderr.strip().splitlines()
+    # TVM's crash handler prints a backtrace: its frames inside TVM say where it died
+    where = [ln.strip() for ln in err if " in tvm::" in ln][:2] or err[-3:]
+    return "build-failed", f"the compiler died ({how}): {' | '.join(where)}"
 
 
 # ---- running ------------------------------------------------------------------------------------
