@@ -4,9 +4,10 @@ process, report failures as they come with the command that replays them and a s
 builds them.
 
 A batch that fails to build, or kills the compiler (builds run in a child process), is split
-in halves until the kernels that fail are alone (the others still run). A worker that dies (a crashing kernel) or hangs loses only the case it was
-running: it announces each case before running it, so the case is known, run again alone to
-confirm, and the batch goes on in a new worker from the next case."""
+in halves until the kernels that fail are alone (the others still run). A worker that dies (a
+crashing kernel) or hangs loses only the case it was running: it announces each case before
+running it, so the case is known, run again alone to confirm, and the batch goes on in a new
+worker from the next case."""
 
 from __future__ import annotations
 
