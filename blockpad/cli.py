@@ -160,12 +160,12 @@ def _info(args):
 def _check(args):
     from .check import check, generate
 
-    ops = generate.OPS
+    ops = generate.CHECKED_OPS
     if args.ops:
         ops = tuple(o.strip() for o in args.ops.split(","))
-        unknown = [o for o in ops if o not in generate.OPS]
+        unknown = [o for o in ops if o not in generate.CHECKED_OPS]
         if unknown:
-            raise BlockpadError(f"--ops: expected some of {', '.join(generate.OPS)}; got "
+            raise BlockpadError(f"--ops: expected some of {', '.join(generate.CHECKED_OPS)}; got "
                                 f"{', '.join(unknown)}")
     summary = check(args.target, args.cases, args.seed, ops, args.case, args.batch, args.out,
                     args.work, spec=args.spec, shrink=args.shrink)

@@ -20,7 +20,7 @@ from blockpad.codegen.targets import native_target
 from .common import interleaved, quiet_thread_pools, table, threaded_copy
 
 HW = 56
-OPS = {   # name -> spec fields (src/dst nChw16c)
+BENCHMARKS = {   # name -> spec fields (src/dst nChw16c)
     "relu": {"op": "eltwise", "algorithm": "relu"},
     "gelu_erf": {"op": "eltwise", "algorithm": "gelu_erf"},
     "sigmoid": {"op": "eltwise", "algorithm": "sigmoid"},
@@ -31,7 +31,7 @@ OPS = {   # name -> spec fields (src/dst nChw16c)
 
 def _spec(channels):
     kernels = []
-    for name, fields in OPS.items():
+    for name, fields in BENCHMARKS.items():
         for policy, c in (("nopad", channels[0]), ("dst_fused", channels[1]),
                           ("dst_stage", channels[1])):
             kernels.append({**fields, "name": f"{name}_{policy}", "shape": [1, c, HW, HW],
@@ -53,7 +53,7 @@ def main(repeat=7, threads=None, target=None, out_dir="build/bench-ops"):
     print(f"\nbenchmark: padding cost per op, target {target}, {threads} thread(s); median of "
           f"{repeat} interleaved rounds")
     rows = []
-    for name in OPS:
+    for name in BENCHMARKS:
         calls = {}
         for variant in ("nopad", "dst_fused", "dst_stage"):
             k = lib[f"{name}_{variant}"]

@@ -53,7 +53,7 @@ class Summary:
                 f"{', ' + rest if rest else ''}; {self.guard_bytes} guard bytes written")
 
 
-def check(target: str, cases: int = 100, seed: int = 0, ops=generate.OPS, only=None,
+def check(target: str, cases: int = 100, seed: int = 0, ops=generate.CHECKED_OPS, only=None,
           batch: int = 25, out: str = "check-failures", work: str | None = None,
           log=print, spec: str | None = None, shrink: bool = False) -> Summary:
     """Check ``cases`` random cases (or case ``only``) of ``seed`` on ``target``; with

@@ -174,7 +174,7 @@ def _dot_terms(sig) -> int:
     return w[0] if sig.op == "matmul" else int(np.prod(w[-3:]))
 
 
-class Arg:
+class GuardedArg:
     """One argument: its guarded buffer, what it held before the call, its Memory."""
 
     def __init__(self, name, role, layout):
@@ -205,7 +205,7 @@ def run_case(k: int, entry: dict, seed: int, call) -> dict:
     rng = np.random.default_rng((seed, k, 1))
     args, mems, inputs = [], [], {}
     for name, role, layout, _ in sig.args:
-        a = Arg(name, role, layout)
+        a = GuardedArg(name, role, layout)
         if role == "out":
             a.buf.view(np.uint8)[:] = 0xFF                  # NaN / all ones: visible if left
             mem = call.memory(sig, layout, a.buf, clean=False)
@@ -259,7 +259,7 @@ def _padding_bytes(layout) -> np.ndarray:
     return (offs[:, None] * n + np.arange(n)).reshape(-1)
 
 
-def _check_destination(a: Arg, mem, sig, entry, inputs) -> list:
+def _check_destination(a: GuardedArg, mem, sig, entry, inputs) -> list:
     out = []
     lay = a.layout
     got = mem.to_numpy()

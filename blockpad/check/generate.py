@@ -31,7 +31,7 @@ from blockpad.errors import LayoutError
 from blockpad.layout import Layout
 from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS, POLICIES, post_op_tensors
 
-OPS = ("reorder", "zero_pad", "eltwise", "binary", "conv2d", "matmul", "softmax", "pool")
+CHECKED_OPS = ("reorder", "zero_pad", "eltwise", "binary", "conv2d", "matmul", "softmax", "pool")
 # how often each op is drawn: the dot-product ops have the most code paths (and post-ops)
 WEIGHTS = {"reorder": 1.0, "zero_pad": 0.5, "eltwise": 1.5, "binary": 1.0, "conv2d": 2.5,
            "matmul": 1.5, "softmax": 1.0, "pool": 1.0}
@@ -63,7 +63,7 @@ PROFILES = {"host": _X86, "avx512": _X86, "avx512-vnni": _X86, "amx": _X86, "neo
             "neon-dotprod": _ARM}
 
 
-def case(seed: int, k: int, target: str, ops=OPS) -> dict:
+def case(seed: int, k: int, target: str, ops=CHECKED_OPS) -> dict:
     """Spec entry of case ``k`` (named ``case<k>``)."""
     rng = np.random.default_rng((seed, k))
     ops = tuple(ops)

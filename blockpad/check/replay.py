@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from .generate import OPS
+from .generate import CHECKED_OPS
 
 
 def command(target: str, seed: int, k: int, ops, spec=None) -> str:
@@ -16,7 +16,7 @@ def command(target: str, seed: int, k: int, ops, spec=None) -> str:
     if spec is not None:
         return f"{cmd} --spec {spec} --case {k}"
     cmd += f" --case {k}"
-    if tuple(ops) != OPS:
+    if tuple(ops) != CHECKED_OPS:
         cmd += " --ops " + ",".join(ops)
     return cmd
 
