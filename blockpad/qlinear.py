@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .numpy_conv import direct_conv
+
 F32 = np.float32
 INT_RANGE = {"uint8": (0, 255), "int8": (-128, 127), "int32": (-2 ** 31, 2 ** 31 - 1)}
 
@@ -85,21 +87,7 @@ def conv_acc(x, x_zero_point, w, bias=None, stride=(1, 1), pad=((0, 0), (0, 0)),
     """The exact int32 accumulator of a quantized convolution: ``sum((x - x_zp) * w) + bias``
     (NCHW ``x``, ``(K, C/groups, KH, KW)`` int8 ``w`` with zero point 0, int32 ``bias``)."""
     x = np.asarray(x, np.int64) - int(x_zero_point)
-    w = np.asarray(w, np.int64)
-    k, cg, kh, kw = w.shape
-    xp = np.pad(x, ((0, 0), (0, 0), *pad))
-    oh = (xp.shape[2] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    ow = (xp.shape[3] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    out = np.zeros((x.shape[0], k, oh, ow), np.int64)
-    kg = k // groups
-    for g in range(groups):
-        xs, ws = xp[:, g * cg:(g + 1) * cg], w[g * kg:(g + 1) * kg]
-        for i in range(kh):
-            for j in range(kw):
-                h0, w0 = i * dilation[0], j * dilation[1]
-                win = xs[:, :, h0:h0 + stride[0] * (oh - 1) + 1:stride[0],
-                         w0:w0 + stride[1] * (ow - 1) + 1:stride[1]]
-                out[:, g * kg:(g + 1) * kg] += np.einsum("nchw,kc->nkhw", win, ws[:, :, i, j])
+    out = direct_conv(x, np.asarray(w, np.int64), stride, pad, dilation, groups)
     if bias is not None:
         out += np.asarray(bias, np.int64).reshape(1, -1, 1, 1)
     return out

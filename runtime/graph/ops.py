@@ -17,6 +17,7 @@ import numpy as np
 from blockpad import qlinear, winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
+from blockpad.numpy_conv import direct_conv
 from blockpad.vocabulary import POST_OP_TENSORS, QUANT_DEFAULTS, post_op_tensors, with_defaults
 
 from ..cache import Request
@@ -317,21 +318,8 @@ def conv_ref(x, w, bias=None, stride=(1, 1), pad=(0, 0), dilation=(1, 1), groups
     """Direct convolution in float64 (NCHW source, (K, C/groups, KH, KW) weights, ``pad``
     symmetric or per side), then the post-op chain in order (``chain_ref``; ``operands``: the
     sums' and binary entries' tensors by argument name)."""
-    x, w = x.astype(np.float64), w.astype(np.float64)
-    k, cg, kh, kw = w.shape
-    xp = np.pad(x, ((0, 0), (0, 0), *pad_sides(pad)))
-    oh = (xp.shape[2] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    ow = (xp.shape[3] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    out = np.zeros((x.shape[0], k, oh, ow))
-    kg = k // groups
-    for g in range(groups):
-        xs, ws = xp[:, g * cg:(g + 1) * cg], w[g * kg:(g + 1) * kg]
-        for i in range(kh):
-            for j in range(kw):
-                h0, w0 = i * dilation[0], j * dilation[1]
-                win = xs[:, :, h0:h0 + stride[0] * (oh - 1) + 1:stride[0],
-                         w0:w0 + stride[1] * (ow - 1) + 1:stride[1]]
-                out[:, g * kg:(g + 1) * kg] += np.einsum("nchw,kc->nkhw", win, ws[:, :, i, j])
+    out = direct_conv(x.astype(np.float64), w.astype(np.float64), stride, pad_sides(pad),
+                      dilation, groups)
     return chain_ref(out, post_ops, {**(operands or {}), "bias": bias})
 
 
