@@ -44,6 +44,11 @@ SOFTMAX = {
     "softmax_outer_block": {"shape": [5, 2, 2, 5], "axis": -2, "policy": "on_handle",
                             "src": {"tag": "ABcd4b8a", "paddings": {"d": [2, 1]}},
                             "dst": {"tag": "aBcd16b", "paddings": {"a": [2, 2]}}},
+    # over the outermost axis of a source blocked on two dims: the statistics' loop to split
+    # where the Selects become uniform holds the sum's init beside its update, and TVM's
+    # loop_partition segfaulted there (killed blockpad check, seed 20261122 case 680)
+    "log_softmax_outer_axis": {"shape": [8, 9, 7, 3, 7], "axis": -5, "log": True,
+                               "policy": "dst_stage", "src": "aBcdE8b8e", "dst": "aBcde8b"},
 }
 WINDOW = {"kernel": [3, 3], "stride": [2, 2], "pad": [1, 1]}
 POOL = {
