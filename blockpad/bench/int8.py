@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from .common import batch_size, table
+from .common import interleaved_rounds, table
 
 MODELS = ("resnet50", "mobilenet_v2")
 INT8 = ("blockpad int8", "onnxruntime int8")
@@ -57,13 +57,7 @@ def child(args) -> dict:
     x = np.load(args.input)
     run, fallbacks = _contender(args.child, args, x)
     np.save(args.output, run())
-    n = batch_size(run)
-    times = []
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            run()
-        times.append((time.perf_counter() - t0) / n)
+    times = interleaved_rounds({"run": run}, args.repeat)["run"]     # one contender per process
     return {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
             "fallbacks": fallbacks}
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from blockpad.codegen.targets import native_target
 
-from .common import batch_size, step_times, table
+from .common import interleaved_rounds, step_times, table
 
 CONTENDERS = ("blockpad", "torch NCHW", "torch channels_last", "onnxruntime")
 OUT = os.path.join("build", "bench_model")
@@ -88,13 +88,7 @@ def child(args) -> dict:
     y = run()
     first = time.time() - args.t0
     np.save(args.output, y)
-    n = batch_size(run)
-    times = []
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            run()
-        times.append((time.perf_counter() - t0) / n)
+    times = interleaved_rounds({"run": run}, args.repeat)["run"]     # one contender per process
     out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
            "first_s": first, "rss_before_mib": rss0, "rss_loaded_mib": rss_loaded,
            "peak_mib": _status_mib("VmHWM")}
