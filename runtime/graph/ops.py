@@ -420,6 +420,17 @@ def _int32_bias(post_ops) -> bool:
     return any(p["kind"] == "bias" and p.get("dtype") == "int32" for p in post_ops)
 
 
+def _only_int32_bias(node) -> None:
+    """The numpy reference of an integer convolution or matmul (no compiler) runs the chains
+    quantized models import: an int32 bias, nothing else. Refuse any other chain rather than
+    drop its entries."""
+    a = node.attrs
+    if a.get("sum") or any(p["kind"] != "bias" for p in a["post_ops"]) or \
+            (a["bias"] and not _int32_bias(a["post_ops"])):
+        raise ArgumentError(f"{node.name}: the numpy reference of an integer {node.op} takes an "
+                            f"int32 bias and no other post-op; got {a['post_ops']}")
+
+
 class Conv2d(OpInfo):
     """Inputs: src (NCHW), weights ((K, C/groups, KH, KW), PyTorch's convention), then, with
     quantization attributes (``attrs["quant"]``), the float32 ``scale``, then the post-op
@@ -545,10 +556,7 @@ class Conv2d(OpInfo):
     def _quantized_ref(node, x, w, rest):
         """int32 bias and requantization only: the chains quantized models import."""
         a = node.attrs
-        if a["sum"] or any(p["kind"] != "bias" for p in a["post_ops"]) or \
-                (a["bias"] and not _int32_bias(a["post_ops"])):
-            raise ArgumentError(f"{node.name}: the numpy reference of an integer convolution "
-                                f"takes an int32 bias and no other post-op")
+        _only_int32_bias(node)
         scale, bias = rest[0], (rest[1] if a["bias"] else None)
         acc = qlinear.conv_acc(x, node.attrs["quant"].get("src_zero_point", 0), w, bias,
                                a["stride"], pad_sides(a["pad"]), a["dilation"], a["groups"])
@@ -675,6 +683,7 @@ class Matmul(OpInfo):
 
     def reference(self, node, arrays):
         if node.attrs.get("quant") is not None:
+            _only_int32_bias(node)
             x, w, scale, *bias = arrays
             acc = qlinear.matmul_acc(x, node.attrs["quant"].get("src_zero_point", 0), w,
                                      bias[0] if node.attrs["bias"] else None)
