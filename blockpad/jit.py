@@ -31,11 +31,11 @@ def fingerprint() -> str:
     """Hash of the sources that decide what a build emits (layouts, the code generator, the
     schedules) and of the tuning records builds apply, found by path so that nothing is
     imported: disk cache entries made by another version, or before a new record, are rebuilt.
-    The sources are ``codegen.build.code_digest``'s file set."""
-    from . import errors, layout
-    from .version import __version__
+    The sources are ``codegen.build.code_digest``'s file set
+    (``version.GENERATOR_MODULES``)."""
+    from .version import GENERATOR_MODULES, __version__
 
-    files = [Path(layout.__file__), Path(errors.__file__)]
+    files = [Path(__file__).parent / f"{m}.py" for m in GENERATOR_MODULES]
     for pkg, pattern in (("blockpad.codegen", "*.py"), ("blockpad.schedules", "*.py"),
                          ("blockpad.tuning_logs", "*.json")):
         spec = importlib.util.find_spec(pkg)

@@ -261,9 +261,10 @@ def code_digest() -> str:
     """Hash of the sources that decide what a build emits (layouts, codegen, schedules)."""
     import blockpad.codegen
     import blockpad.schedules
-    from blockpad import errors, layout, winograd
+    from blockpad.version import GENERATOR_MODULES
 
-    files = [Path(layout.__file__), Path(errors.__file__), Path(winograd.__file__)]
+    top = Path(blockpad.__file__).parent
+    files = [top / f"{m}.py" for m in GENERATOR_MODULES]
     for pkg in (blockpad.codegen, blockpad.schedules):
         files += sorted(Path(pkg.__path__[0]).rglob("*.py"))
     h = hashlib.sha256()

@@ -94,3 +94,24 @@ def test_shared_modules_import_neither_side():
 
 def test_library_imports_no_front_end():
     assert _violations(lambda m: not _within(m, FRONT), FRONT) == []
+
+
+def test_the_cache_fingerprints_cover_every_module_the_generator_imports():
+    """A build's output depends on codegen/, schedules/ and the top-level modules they import,
+    transitively; ``version.GENERATOR_MODULES`` lists those for the build digest and the JIT
+    fingerprint. One left out (vocabulary.py was) lets a stale cached kernel, or a stale
+    recorded failure, outlive a change to it."""
+    from blockpad.version import GENERATOR_MODULES
+
+    todo = [m for m in MODULES if m.startswith(("blockpad.codegen", "blockpad.schedules"))]
+    seen = set(todo)
+    while todo:
+        for name in imports(todo.pop()):
+            parts = name.split(".")
+            top = ".".join(parts[:2])
+            if parts[0] == "blockpad" and len(parts) > 1 and top in MODULES and top not in seen \
+                    and MODULES[top].parent == ROOT / "blockpad" and parts[1] != "version":
+                seen.add(top)
+                todo.append(top)
+    used = {m.split(".")[1] for m in seen if m.count(".") == 1 and MODULES[m].parent == ROOT / "blockpad"}
+    assert used <= set(GENERATOR_MODULES), sorted(used - set(GENERATOR_MODULES))
