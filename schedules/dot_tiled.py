@@ -47,6 +47,7 @@ The rewrites themselves, and ``DotShape`` (the nest read as ``j``, ``r``, ``t``,
 from __future__ import annotations
 
 import functools
+import math
 
 import tvm
 from tvm import s_tir
@@ -94,7 +95,8 @@ class DotTiled(ScheduleRule):
         """A register tile of rows x ``blocks`` column vectors: each row's broadcast source
         bytes feed ``blocks`` dot products, each weight vector every row."""
         intrin = self.intrin(nest)
-        if intrin is None or nest.extents[nest.n_sp - 1] % self.lanes or nest.extents[nest.r] % 4:
+        if intrin is None or nest.extents[nest.n_sp - 1] % self.lanes or nest.extents[nest.r] % 4 \
+                or not _packed(nest, self.lanes):
             return False
         if blocks > 1 and nest.column_blocks(self.lanes) % blocks:
             return False
@@ -114,6 +116,27 @@ class DotTiled(ScheduleRule):
         if cond is not None:
             set_predicate(sch, sch.get_sblock(name), cond)
         return True
+
+
+def _packed(nest, lanes) -> bool:
+    """The memory the intrinsic assumes: its ``B[lanes, 4]`` one contiguous run of the weights
+    (their last dims ``[a multiple of lanes outputs, 4 reduction steps]``, compact: ``...16o4i``)
+    and its ``A[4]`` four contiguous source bytes (a source block of channels a multiple of 4).
+    Weights blocked otherwise (``Ab8a``: 8 steps a row) match the nest's shape, and tensorize
+    took them, reading the wrong bytes (blockpad check seed 20261126 case 36)."""
+    def last(buf, n):
+        shape = [int(d) for d in buf.shape[-n:]]
+        if not buf.strides:
+            return shape, [int(math.prod(shape[i + 1:])) for i in range(n)]
+        strides = buf.strides[-n:]
+        if not all(isinstance(x, tvm.tirx.IntImm) for x in strides):
+            return shape, None
+        return shape, [int(x) for x in strides]
+
+    (outs, steps), wei_strides = last(nest.wei.source, 2)
+    (channels,), src_strides = last(nest.src.source, 1)
+    return steps == 4 and outs % lanes == 0 and wei_strides == [4, 1] and channels % 4 == 0 \
+        and src_strides == [1]
 
 
 def schedule(func, target, tile):

@@ -72,6 +72,14 @@ CASES = {
                   "weights": "BA16a16b", "dst": "ab", "src_zero_point": -128,
                   "scales": "tensor", "dst_dtype": "uint8", "dst_zero_point": 128,
                   "post_ops": [{"kind": "bias"}, RELU]},
+    # weights blocked 8 steps a row (Ab8a), not the dot intrinsics' 4: the tensorized rules
+    # took them and read the wrong bytes (blockpad check seed 20261126 case 36); a source of 3
+    # channels a block, not a multiple of the 4 bytes one step reads
+    "mm_rows8": {"op": "matmul", "dtype": "uint8", "shape": [13, 15], "n": 16, "src": "aB8b",
+                 "weights": "Ab8a", "dst": "aB8b", "src_zero_point": 72, "scales": "tensor",
+                 "dst_dtype": "int32", "dst_scale": 0.02, "dst_zero_point": -729},
+    "mm_src3": {"op": "matmul", "dtype": "int8", "shape": [5, 12], "n": 16, "src": "aB3b",
+                "weights": "BA16a4b", "dst": "ab"},
 }
 # under every policy: the cases with channel padding on both sides, and a halo
 POLICY_CASES = ("blk16", "blk8", "halo", "mm")
