@@ -6,7 +6,11 @@ contender's figure is the median over the rounds."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -115,3 +119,22 @@ def table(rows: list[list], header: list[str]) -> str:
                               for i, (c, w) in enumerate(zip(r, widths)))
     lines = [fmt(cells[0]), "  ".join("-" * w for w in widths)]
     return "\n".join(lines + [fmt(r) for r in cells[1:]])
+
+
+def run_child(module: str, name: str, threads: int, work: str, args: list, env=None) -> dict:
+    """Run contender ``name`` of benchmark ``module`` in a process of its own (``-m module
+    --child name --threads N ... --output y.npy``) and return the JSON its last line prints,
+    with ``y`` the path of the output it saved (compared by the parent), or ``{"error": ...}``.
+    One process each: in a shared one, PyTorch's idle OpenMP workers spin and steal the cores
+    from whoever runs next."""
+    env = {**os.environ, "TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
+           **(env or {})}
+    out = os.path.join(work, f"y_{name.replace(' ', '_')}_{threads}.npy")
+    cmd = [sys.executable, "-m", module, "--child", name, "--threads", str(threads), *args,
+           "--output", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r["y"] = out
+    return r

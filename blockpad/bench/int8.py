@@ -22,13 +22,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-from .common import interleaved_rounds, table
+from .common import interleaved_rounds, run_child, table
 
 MODELS = ("resnet50", "mobilenet_v2")
 INT8 = ("blockpad int8", "onnxruntime int8")
@@ -63,17 +62,9 @@ def child(args) -> dict:
 
 
 def _spawn(name, threads, paths, args) -> dict:
-    env = {**os.environ, "TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
-    out = os.path.join(paths["work"], f"y_{name.replace(' ', '_')}_{threads}.npy")
-    cmd = [sys.executable, "-m", "blockpad.bench.int8", "--child", name, "--threads",
-           str(threads), "--repeat", str(args.repeat), "--onnx", paths["int8"], "--input",
-           paths["input"], "--output", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if proc.returncode:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    r["y"] = out
-    return r
+    return run_child("blockpad.bench.int8", name, threads, paths["work"],
+                     ["--repeat", str(args.repeat), "--onnx", paths["int8"], "--input",
+                      paths["input"]])
 
 
 def prepare(name, batch, hw, seed, target, log=print) -> dict:

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from blockpad.codegen.targets import native_target
 
-from .common import interleaved_rounds, step_times, table
+from .common import interleaved_rounds, run_child, step_times, table
 
 CONTENDERS = ("blockpad", "torch NCHW", "torch channels_last", "onnxruntime")
 OUT = os.path.join("build", "bench_model")
@@ -121,19 +120,11 @@ def _spawn(name, threads, paths, args) -> dict:
     ``QUIET_POOLS`` (sleeping workers) is for contenders sharing a process, and a sleeping pool
     pays a wake-up per kernel launch (MobileNetV2, 2 threads: 19.5 ms with TVM's spin count 0,
     11.6 ms with the default)."""
-    env = {**os.environ, "TVM_NUM_THREADS": str(threads),
-           "OMP_NUM_THREADS": str(threads), "BLOCKPAD_JIT": "0"}
-    out = os.path.join(paths["work"], f"y_{name.replace(' ', '_')}_{threads}.npy")
-    cmd = [sys.executable, "-m", "blockpad.bench.model", "--child", name, "--model", args.model,
-           "--threads", str(threads), "--repeat", str(args.repeat), "--seed", str(args.seed),
-           "--dir", paths["dir"], "--onnx", paths["onnx"], "--input", paths["input"],
-           "--output", out, "--t0", repr(time.time())]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if proc.returncode:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    r["y"] = out
-    return r
+    return run_child("blockpad.bench.model", name, threads, paths["work"],
+                     ["--model", args.model, "--repeat", str(args.repeat), "--seed",
+                      str(args.seed), "--dir", paths["dir"], "--onnx", paths["onnx"],
+                      "--input", paths["input"], "--t0", repr(time.time())],
+                     env={"BLOCKPAD_JIT": "0"})
 
 
 # ---- the driver -------------------------------------------------------------------------------
