@@ -457,6 +457,11 @@ def test_graph_refuses_attributes_on_float_and_an_integer_source_without_scale()
     q = g.input("q", (1, 4, 3, 3), "uint8")
     with pytest.raises(bp.ArgumentError, match="needs scale="):
         g.conv2d(q, g.constant("w8", np.ones((2, 4, 1, 1), np.int8)))
+    # an int32 bias goes on the int32 accumulator: after a relu it would mean something else
+    with pytest.raises(bp.ArgumentError, match="put 'bias' first"):
+        g.conv2d(q, g.constant("w9", np.ones((2, 4, 1, 1), np.int8)),
+                 bias=g.constant("b9", np.ones(2, np.int32)), post_ops=["relu", "bias"],
+                 scale=g.constant("s9", np.ones(2, np.float32)))
 
 
 def test_graph_numpy_reference_refuses_an_integer_chain_it_cannot_run(tmp_path):

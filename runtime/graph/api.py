@@ -339,7 +339,7 @@ class Graph:
 
     def _quant(self, op, x, scale, chain, bias, **attrs) -> dict | None:
         """The quantization attributes of an integer ``op`` (``attrs``, the kernels' names),
-        or None for a floating-point one; an int32 ``bias`` marks its chain entry, which moves
+        or None for a floating-point one; an int32 ``bias`` marks its chain entry, which must be
         first (it is added to the int32 accumulator). The graph op checks the types."""
         integer = self._types[self._var(x)][1] in ("uint8", "int8")
         given = [k for k, v in attrs.items() if v != QUANT_DEFAULTS[k]]
@@ -352,9 +352,11 @@ class Graph:
             raise ArgumentError(f"{op}: an integer source needs scale= (float32, (K,) per "
                                 f"channel or (1,) with scales='tensor')")
         if bias is not None and self._types[self._var(bias)][1] == "int32":
-            entry = next(p for p in chain if p["kind"] == "bias")
-            chain.remove(entry)
-            chain.insert(0, {**entry, "dtype": "int32"})
+            if chain[0]["kind"] != "bias":
+                raise ArgumentError(f"{op}: an int32 bias is added to the int32 accumulator, "
+                                    f"before every other post-op: put 'bias' first in post_ops "
+                                    f"(got {[p['kind'] for p in chain]})")
+            chain[0] = {**chain[0], "dtype": "int32"}
         return dict(attrs)
 
     def pool(self, x, algorithm="max", kernel=2, stride=None, pad=0, dilation=1,
