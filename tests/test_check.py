@@ -283,6 +283,69 @@ def test_a_float16_subnormal_result_may_be_off_by_half_its_spacing():
     assert "1 of 4096 elements wrong" in execute._compare("dst", wrong, want, bound)[0]
 
 
+# Two cases of the 10,000-case run on int8 convolutions whose exp post-ops overflow to inf:
+# an int32 destination with a negative zero point (the rounded value, clamped to
+# [min - zp, max - zp], overflowed its conversion to int32), and a uint8 one whose saturated
+# result was right but whose error bound was NaN (inf - inf).
+OVERFLOWING_EXP = """[[kernel]]
+name = "case2118"
+op = "conv2d"
+shape = [2, 2, 5, 9]
+dtype = "uint8"
+channels = 8
+groups = 1
+kernel = [3, 3]
+stride = [1, 1]
+pad = [0, 0]
+dilation = [1, 1]
+spatial_pad = "stage"
+policy = "dst_stage"
+post_ops = [{ kind = "sum", scale = 0.5 }, { kind = "eltwise", algorithm = "exp", alpha = 0.0, beta = 0.0 }]
+src = { tag = "nChw16c", strides = [725, 722, 144, 16, 1] }
+weights = "oihw"
+dst = "nhwC8c"
+sum = "nhwC8c"
+src_zero_point = 182
+scales = "tensor"
+dst_dtype = "int32"
+dst_scale = 1.0
+dst_zero_point = -367
+
+[[kernel]]
+name = "case3168"
+op = "conv2d"
+shape = [1, 23, 9, 9]
+dtype = "int8"
+channels = 46
+groups = 23
+kernel = [1, 3]
+stride = [1, 1]
+pad = [0, 0]
+dilation = [1, 1]
+spatial_pad = "stage"
+policy = "on_handle"
+post_ops = [{ kind = "eltwise", algorithm = "exp" },
+            { kind = "eltwise", algorithm = "exp" }]
+src = "nchW8w4w"
+weights = "goihw"
+dst = "nchw"
+src_zero_point = 96
+scales = "channel"
+dst_dtype = "uint8"
+dst_scale = 0.02
+dst_zero_point = 156
+"""
+
+
+def test_saturating_int8_convolutions_from_the_ten_thousand(tmp_path):
+    spec = tmp_path / "cases.toml"
+    spec.write_text(OVERFLOWING_EXP)
+    for seed, k in ((20261128, 2118), (20261127, 3168)):
+        s = driver.check("host", seed=seed, only=k, spec=str(spec), out=str(tmp_path / "f"),
+                         log=lambda m: None)
+        assert s.checked == 1 and s.failed == 0, s.line()
+
+
 def test_a_target_this_machine_cannot_run_is_refused_before_building():
     from blockpad import machine
     from blockpad.codegen.targets import get_target

@@ -224,11 +224,14 @@ INT_RANGES = {"int8": (-128, 127), "uint8": (0, 255), "int32": (-2 ** 31, 2 ** 3
 def saturate(r, dtype: str, zp: int):
     """``r`` (integers as floats) plus ``zp``, saturated to ``dtype``: the sum clamped to the
     float32 values nearest inside ``[min - zp, max - zp]`` first (an int32 destination
-    saturates at 2**31 - 128 - zp, the float32 below 2**31, as oneDNN's conversion does)."""
+    saturates at 2**31 - 128 - zp, the float32 below 2**31, as oneDNN's conversion does; the
+    value before the zero point stays inside [-2**31, 2**31 - 128], which int32 holds)."""
     lo, hi = INT_RANGES[dtype]
     f_lo, f_hi = np.float32(lo - zp), np.float32(hi - zp)
     f_lo = f_lo if int(f_lo) >= lo - zp else np.nextafter(f_lo, np.float32(np.inf))
     f_hi = f_hi if int(f_hi) <= hi - zp else np.nextafter(f_hi, np.float32(-np.inf))
+    if dtype == "int32":   # converted to int32 before zp is added: inside [-2**31, 2**31 - 128]
+        f_lo, f_hi = max(f_lo, np.float32(lo)), min(f_hi, np.float32(2 ** 31 - 128))
     return np.clip(r, float(f_lo), float(f_hi)) + zp
 
 

@@ -17,7 +17,8 @@ ONNX's requantization multiplier ``x_scale * w_scale[k] / y_scale`` likewise (``
 ``nearbyint`` rounds half to even (one ``vroundps``); the zero point is added to the rounded
 value (an integer), then the sum saturates to the destination's range; an int32 destination
 saturates at the float32 values nearest inside its range (2**31 - 128 is the largest float32
-below 2**31), as oneDNN's conversion does. The order is exact but for one liberty LLVM takes
+below 2**31), as oneDNN's conversion does, the rounded value first (it is converted to int32
+before the zero point is added: ``saturation_bounds``). The order is exact but for one liberty LLVM takes
 where the target has FMA (checked: x86-64-v3 code has ``vfmadd`` there): a float multiply and
 the add that follows it (the scale and a float32 bias, a sum's scale, ``linear``) become one
 fused multiply-add, rounded once instead of twice.
@@ -153,15 +154,24 @@ class Requant:
         return q.astype(self.dst)
 
 
+INT32_FLOAT_MAX = np.float32(2 ** 31 - 128)   # the largest float32 below 2**31
+
+
 def saturation_bounds(dst: str, zp: int) -> tuple:
     """The float32 range a rounded value is clamped to before ``zp`` is added: the float32
-    values nearest inside ``[min - zp, max - zp]`` of ``dst`` (exact for int8 and uint8)."""
+    values nearest inside ``[min - zp, max - zp]`` of ``dst`` (exact for int8 and uint8); for int32
+    also inside the float32 range that converts to int32, ``[-2**31, 2**31 - 128]``, so that a
+    negative ``zp`` cannot push the conversion past it (it overflowed: blockpad check seed
+    20261128 case 2118). With a zero point, an int32 result beyond ``+-(2**31 - |zp|)`` therefore
+    stops ``|zp|`` short of the range's end."""
     lo, hi = RANGE[dst]
     f_lo, f_hi = np.float32(lo - zp), np.float32(hi - zp)
     if int(f_lo) < lo - zp:
         f_lo = np.nextafter(f_lo, np.float32(np.inf))
     if int(f_hi) > hi - zp:
         f_hi = np.nextafter(f_hi, np.float32(-np.inf))
+    if dst == "int32":   # the rounded value is converted to int32 before zp is added: keep it
+        f_lo, f_hi = max(f_lo, np.float32(lo)), min(f_hi, INT32_FLOAT_MAX)   # convertible
     return float(f_lo), float(f_hi)
 
 
