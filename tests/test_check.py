@@ -346,6 +346,15 @@ def test_saturating_int8_convolutions_from_the_ten_thousand(tmp_path):
         assert s.checked == 1 and s.failed == 0, s.line()
 
 
+def test_a_float16_result_past_its_largest_value_is_inf():
+    """seed 20261128 case 2791: a float16 matmul's 616140 stored as inf, correctly."""
+    want, bound = np.array([616140.4, 6e4, 65521.0, -7e4]), np.array([304.0, 16.0, 0.0, 1.0])
+    got = np.array([np.inf, 6e4, np.inf, -np.inf], np.float16)
+    assert not execute._compare("dst", got, want, bound)
+    got[1] = np.inf          # 60000 is far from float16's largest value
+    assert "1 of 4 elements wrong" in execute._compare("dst", got, want, bound)[0]
+
+
 def test_a_target_this_machine_cannot_run_is_refused_before_building():
     from blockpad import machine
     from blockpad.codegen.targets import get_target
