@@ -1,5 +1,7 @@
 """Small facts every schedule module needs."""
 
+import math
+
 import tvm_ffi
 from tvm import tirx
 
@@ -24,3 +26,10 @@ def is_true(expr) -> bool:
 def divisor_at_most(n: int, limit: int) -> int:
     """The largest divisor of ``n`` not above ``limit``."""
     return max(k for k in range(1, min(n, limit) + 1) if n % k == 0)
+
+
+def element_strides(buf) -> list:
+    """Elements between two steps of each dim of ``buf``: its declared strides (a strided
+    layout's, a Var where TIR keeps one symbolic), else those of the compact row-major shape."""
+    return list(buf.strides) or [math.prod(int(n) for n in buf.shape[i + 1:])
+                                 for i in range(len(buf.shape))]

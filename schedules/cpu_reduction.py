@@ -38,7 +38,7 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.vocabulary import ACC, DST, EXP, MAX, NORM, SOFTMAX_STAGES, SUM
 
-from .common import vector_lanes
+from .common import element_strides, vector_lanes
 from .data_movement import SERIAL_BYTES
 from .rule import ScheduleRule
 
@@ -292,8 +292,7 @@ def _strides(sch, block) -> list:
     bind = {iv.var: v for iv, v in zip(realize.block.iter_vars, realize.iter_values)}
     region = _walked(sch, block)
     buf = region.source
-    strides = list(buf.strides) or [math.prod(int(n) for n in buf.shape[i + 1:])
-                                    for i in range(len(buf.shape))]
+    strides = element_strides(buf)
     offset = _substitute(sum(r.min * s for r, s in zip(region.region, strides)), bind)
     loops = sch.get_loops(block)
     loop_vars = [sch.get(l).loop_var for l in loops]

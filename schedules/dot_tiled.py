@@ -47,14 +47,13 @@ The rewrites themselves, and ``DotShape`` (the nest read as ``j``, ``r``, ``t``,
 from __future__ import annotations
 
 import functools
-import math
 
 import tvm
 from tvm import s_tir
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import divisor_at_most
+from .common import divisor_at_most, element_strides
 from .dot_rewrites import DotShape, lift_conditions, lift_weight_guard, pad_dot, set_predicate, take_predicate
 from .generic import root_blocks, spatial_parallel_vectorize
 from .nest import substitute
@@ -124,19 +123,13 @@ def _packed(nest, lanes) -> bool:
     and its ``A[4]`` four contiguous source bytes (a source block of channels a multiple of 4).
     Weights blocked otherwise (``Ab8a``: 8 steps a row) match the nest's shape, and tensorize
     took them, reading the wrong bytes (blockpad check seed 20261126 case 36)."""
-    def last(buf, n):
-        shape = [int(d) for d in buf.shape[-n:]]
-        if not buf.strides:
-            return shape, [int(math.prod(shape[i + 1:])) for i in range(n)]
-        strides = buf.strides[-n:]
-        if not all(isinstance(x, tvm.tirx.IntImm) for x in strides):
-            return shape, None
-        return shape, [int(x) for x in strides]
+    def const(strides):
+        return [int(x) if isinstance(x, (int, tvm.tirx.IntImm)) else None for x in strides]
 
-    (outs, steps), wei_strides = last(nest.wei.source, 2)
-    (channels,), src_strides = last(nest.src.source, 1)
-    return steps == 4 and outs % lanes == 0 and wei_strides == [4, 1] and channels % 4 == 0 \
-        and src_strides == [1]
+    wei, src = nest.wei.source, nest.src.source
+    outs, steps = (int(d) for d in wei.shape[-2:])
+    return steps == 4 and outs % lanes == 0 and int(src.shape[-1]) % 4 == 0 \
+        and const(element_strides(wei)[-2:]) == [4, 1] and const(element_strides(src)[-1:]) == [1]
 
 
 def schedule(func, target, tile):
