@@ -18,10 +18,10 @@ ONNX's requantization multiplier ``x_scale * w_scale[k] / y_scale`` likewise (``
 value (an integer), then the sum saturates to the destination's range; an int32 destination
 saturates at the float32 values nearest inside its range (2**31 - 128 is the largest float32
 below 2**31), as oneDNN's conversion does, the rounded value first (it is converted to int32
-before the zero point is added: ``saturation_bounds``). The order is exact but for one liberty LLVM takes
-where the target has FMA (checked: x86-64-v3 code has ``vfmadd`` there): a float multiply and
-the add that follows it (the scale and a float32 bias, a sum's scale, ``linear``) become one
-fused multiply-add, rounded once instead of twice.
+before the zero point is added: ``saturation_bounds``). The order is exact but for one liberty
+LLVM takes where the target has FMA (checked: x86-64-v3 code has ``vfmadd`` there): a float
+multiply and the add that follows it (the scale and a float32 bias, a sum's scale, ``linear``)
+become one fused multiply-add, rounded once instead of twice.
 
 Zero points and padding, oneDNN's semantics (its ``zp_src_pad_comp``): the padding of a
 zero-point-shifted source *is* the zero point, i.e. it contributes 0 to ``acc`` after the
