@@ -44,6 +44,7 @@ error ``blockpad bench conv`` accepts of any kernel (1e-4: F(6x6) up to ~5000 ch
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -60,9 +61,11 @@ U32 = 2.0 ** -24           # unit roundoff of float32
 TOLERANCE = 1e-4           # max |err| / max |y| that auto accepts (bench conv's, of any kernel)
 
 
+@functools.cache
 def matrices(m: int, r: int = 3) -> tuple:
-    """(A^T, G, B^T) of F(m, r) as exact fractions (lists of rows): m x a, a x r, a x a with
-    a = m + r - 1."""
+    """(A^T, G, B^T) of F(m, r) as exact fractions (tuples of rows): m x a, a x r, a x a with
+    a = m + r - 1. Cached: solving for B^T in fractions takes tens of milliseconds, and loading
+    a model asks for it once per convolution (``choose``)."""
     if m not in POINTS:
         raise SpecError(f"winograd_tile: expected one of {', '.join(map(str, TILES))} (F(m x m, "
                         f"3 x 3)); got {m!r}")
@@ -78,7 +81,7 @@ def matrices(m: int, r: int = 3) -> tuple:
                 for i in range(m) for k in range(r)]
         for j, v in enumerate(_solve(rows, a)):
             bt[j][col] = v
-    return at, g, bt
+    return tuple(tuple(tuple(row) for row in mat) for mat in (at, g, bt))
 
 
 def _solve(rows, n):
@@ -96,6 +99,7 @@ def _solve(rows, n):
     return [rows[i][n] for i in range(n)]
 
 
+@functools.cache
 def amplification(m: int) -> float:
     """kappa(m): how much the transforms amplify rounding, typically (module docstring)."""
     at, g, bt = matrices(m)

@@ -124,7 +124,7 @@ def test_matrices_compute_the_correlation_exactly(m):
              for j in range(m)] for i in range(m)]
     assert y == want
     if m == 4:
-        assert bt[0] == [4, 0, -5, 0, 1, 0]   # Lavin's F(4x4, 3x3)
+        assert bt[0] == (4, 0, -5, 0, 1, 0)   # Lavin's F(4x4, 3x3)
 
 
 def test_error_bound_grows_with_the_tile():
