@@ -345,10 +345,10 @@ def test_read_only_inputs_and_weights_are_never_written(cache, policy, rng):
 
 def test_post_op_fusion_changes_nothing_but_the_kernel_count(cache, rng):
     xv = arr(rng, X)
-    fused_g, ref = _conv_block(cache, fuse=("eltwise", "sum"))
+    fused_g, ref = _conv_block(cache)             # the default: eltwise and sum post-ops
     plain_g, _ = _conv_block(cache, fuse=False)
-    default_g, _ = _conv_block(cache)                      # eltwise post-ops only
-    assert default_g.run(x=xv).report.fused == ["conv2d_0 + eltwise_0"]
+    eltwise_g, _ = _conv_block(cache, fuse=("eltwise",))
+    assert eltwise_g.run(x=xv).report.fused == ["conv2d_0 + eltwise_0"]
     fused, unfused = fused_g.run(x=xv), plain_g.run(x=xv)
     assert fused.report.fused == ["conv2d_0 + eltwise_0", "conv2d_1 + binary_0",
                                   "conv2d_1 + eltwise_1"]
@@ -361,6 +361,27 @@ def test_post_op_fusion_changes_nothing_but_the_kernel_count(cache, rng):
     # x is read by conv2d_0 and, as the sum post-op, by conv2d_1: one reorder serves both
     assert fused.report.reorders == 1
 
+
+
+def test_a_quantized_result_takes_no_post_op(cache, rng):
+    """A post-op runs on a convolution's value before it is requantized: a relu of the uint8
+    result ``q`` (standing for ``s (q - z)``) or a quantized add (its own scales) is not the
+    post-op of that name, so a graph never fuses them into an integer convolution; the fused
+    and unfused graphs agree to the bit."""
+    def graph(fuse):
+        g = bp.Graph(cache=cache, fuse=fuse)
+        x = g.input("x", (1, 16, 5, 5), "uint8")
+        w = g.constant("w", rng_w)
+        y = g.conv2d(x, w, scale=g.constant("s", np.full(16, 0.01, "float32")),
+                     src_zero_point=3, dst_zero_point=128, dst_dtype="uint8")
+        g.output(g.relu(g.quantized_add(y, x, [0.01, 0.02, 0.03], [128, 3, 100])))
+        return g
+
+    rng_w = rng.integers(-64, 64, (16, 16, 1, 1)).astype("int8")
+    xv = rng.integers(0, 256, (1, 16, 5, 5)).astype("uint8")
+    fused, unfused = graph(True).run(x=xv), graph(False).run(x=xv)
+    assert fused.report.fused == []
+    assert np.array_equal(fused["eltwise_0"].numpy(), unfused["eltwise_0"].numpy())
 
 # ---- fallback ---------------------------------------------------------------------------------
 

@@ -207,13 +207,16 @@ def _touches(nodes, lo: int, hi: int, names, writes_only=False) -> bool:
 
 
 def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
-                  kinds=("eltwise", "sum")):
+                  kinds=("eltwise", "sum"), float_result=lambda node: True):
     """oneDNN's post-ops, found in the graph: a convolution whose result has exactly one
     reader takes that reader into its kernel when it is an eltwise (``eltwise`` post-op) or an
     add of a tensor of the result's shape computed before the convolution (``sum`` post-op, at
     most one). Repeated, so conv -> add -> relu becomes one kernel. The result must not be one
     the caller reads. ``same_shape(node)``: whether a binary node's operands have one shape.
-    ``kinds``: the post-ops to fuse (``eltwise``, ``sum``).
+    ``kinds``: the post-ops to fuse (``eltwise``, ``sum``). ``float_result(node)``: whether a
+    convolution's result is floating point; only those fuse. A post-op runs on the value
+    before it is requantized, so on a quantized result (uint8 ``q`` standing for ``s (q - z)``)
+    a relu of ``q`` or a quantized add (its own scales) is not the post-op of the same name.
 
     The fused op runs where the convolution was when no op in between reads or writes the
     names the absorbed op writes (a name may be written again: memory reuse), else where the
@@ -226,7 +229,8 @@ def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
     while changed:
         changed = False
         for i, n in enumerate(nodes):
-            if n.op != "conv2d" or len(n.outputs) != 1 or n.outputs[0] in protected:
+            if n.op != "conv2d" or len(n.outputs) != 1 or n.outputs[0] in protected \
+                    or not float_result(n):
                 continue
             out = n.outputs[0]
             rs = readers(nodes, i, out)

@@ -175,7 +175,7 @@ class Plan:
         if g.fuse and g.layouts == "blocked":
             nodes, self.fused = fuse_post_ops(
                 nodes, protected, lambda n: len({t[0] for t in node_types[n.name]}) == 1,
-                kinds=g.fuse)
+                kinds=g.fuse, float_result=lambda n: "float" in env_types[n.outputs[0]][1])
         if g.inplace:
             self.inplace_result = inplace_pass(nodes, capable, protected)
         else:
