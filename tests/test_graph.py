@@ -363,7 +363,7 @@ def test_post_op_fusion_changes_nothing_but_the_kernel_count(cache, rng):
 
 
 
-def test_a_quantized_result_takes_no_post_op(cache, rng):
+def test_a_quantized_convolution_takes_no_post_op_and_packs_dot_product_weights(cache, rng):
     """A post-op runs on a convolution's value before it is requantized: a relu of the uint8
     result ``q`` (standing for ``s (q - z)``) or a quantized add (its own scales) is not the
     post-op of that name, so a graph never fuses them into an integer convolution; the fused
@@ -379,8 +379,12 @@ def test_a_quantized_result_takes_no_post_op(cache, rng):
 
     rng_w = rng.integers(-64, 64, (16, 16, 1, 1)).astype("int8")
     xv = rng.integers(0, 256, (1, 16, 5, 5)).astype("uint8")
-    fused, unfused = graph(True).run(x=xv), graph(False).run(x=xv)
+    g = graph(True)
+    fused, unfused = g.run(x=xv), graph(False).run(x=xv)
     assert fused.report.fused == []
+    # int8 weights are packed for the dot-product instructions (16 outputs x 4 input channels
+    # a register), not OIhw16i16o, which no dot-product rule takes
+    assert "OIhw4i16o4i" in g.plan(x=xv).describe()
     assert np.array_equal(fused["eltwise_0"].numpy(), unfused["eltwise_0"].numpy())
 
 # ---- fallback ---------------------------------------------------------------------------------

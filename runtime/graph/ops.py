@@ -521,7 +521,8 @@ class Conv2d(OpInfo):
             if tile is not None:   # Winograd-domain weights, transformed once (graph.py)
                 wl = winograd.weights_layout(w[0], w[1], tile, block, dt)
             else:
-                wl = self._weights(w, wdt, groups, graph.weight_tag(block, groups, depthwise))
+                tag = graph.weight_tag(block, groups, depthwise, wdt)
+                wl = self._weights(w, wdt, groups, tag)
             s, d = blocked(src, dt, block), blocked(out_shape, out_dt, block)
             rest = [plain(t[0], t[1]) if len(t[0]) == 1 else blocked(*t, block)
                     for t in extra] + [d]
