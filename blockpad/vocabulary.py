@@ -52,10 +52,15 @@ MAX_SUMS, MAX_BINARIES = 4, 8
 # ---- quantization attributes of integer conv2d and matmul (codegen/ops/quant.py) ---------------
 
 #: Each attribute and its value when a spec, a Graph call or a manifest leaves it out: no zero
-#: points, a per-channel weight scale, no destination scale, and the destination type the op
-#: has without them (None: float32 for uint8/int8 sources).
+#: points, a per-channel weight scale, no destination scale, the destination type the op has
+#: without them (None: float32 for uint8/int8 sources), and full-range int8 weights.
 QUANT_DEFAULTS = MappingProxyType({"src_zero_point": 0, "scales": "channel", "dst_scale": 1.0,
-                                   "dst_zero_point": 0, "dst_dtype": None})
+                                   "dst_zero_point": 0, "dst_dtype": None, "weight_bits": 8})
+#: ``weight_bits``: 8 (any int8 weight) or 7 (every weight in [-64, 64], as ONNX Runtime's
+#: ``reduce_range`` quantization writes them: one ``vpmaddubsw`` per step cannot saturate).
+WEIGHT_BITS = (8, 7)
+#: The weights a ``weight_bits = 7`` kernel takes: |w| <= 64, so |u8 w + u8 w| <= 32640 < 2**15.
+SEVEN_BIT_RANGE = (-64, 64)
 #: ``scales``: one weight scale per output channel (a (K,) ``scale``) or per tensor (a (1,) one).
 SCALES = ("channel", "tensor")
 #: The destination types of an integer kernel; the integer ones are rounded half to even and
@@ -74,6 +79,9 @@ SOFTMAX_STAGES = (MAX, EXP, SUM, NORM)
 
 #: The PrimFunc attribute naming the op a kernel computes: how a schedule rule recognises its ops.
 OP_ATTR = "blockpad.op"
+#: The PrimFunc attribute of an integer kernel whose weights are promised to fit 7 bits (the
+#: ``weight_bits`` attribute): the schedule rules that may then skip the saturation care.
+WEIGHT_BITS_ATTR = "blockpad.weight_bits"
 
 
 def with_defaults(post_op) -> dict:

@@ -14,7 +14,7 @@ from blockpad.errors import ArgumentError, LoadError
 from blockpad.layout import Layout, numpy_dtype
 from blockpad.machine import gpu_requirement
 from blockpad.manifest import KernelRecord
-from blockpad.vocabulary import KERNEL_ZEROS
+from blockpad.vocabulary import KERNEL_ZEROS, SEVEN_BIT_RANGE
 
 from . import padding
 from .loadable import check_loadable
@@ -45,6 +45,10 @@ class Signature:
         self.sources = [i for i, a in enumerate(self.args) if a.role != "out"]
         self.padded_sources = [i for i in self.sources if self.args[i].layout.has_padding]
         self.stage = self.padding.get("dst_stage") if self.padding else None
+        # weight_bits = 7: the kernel's one-vpmaddubsw steps saturate on weights outside
+        # [-64, 64], so every call (and bind) checks them
+        self.seven_bit = next((i for i, a in enumerate(self.args) if a.name == "weights"), None) \
+            if self.params.get("weight_bits", 8) == 7 else None
 
     def __repr__(self):
         args = ", ".join(f"{a.role} {a.name}: {a.layout}" for a in self.args)
@@ -95,6 +99,8 @@ class Kernel:
             else:
                 mems.append(_as_memory(value, sig.name, arg.name, arg.role, arg.layout, arg.storage,
                                        sig.requires_clean))
+        if sig.seven_bit is not None:
+            check_seven_bit(mems[sig.seven_bit].buffer, f"{sig.name}: argument 'weights'")
         return mems
 
     def _run_on_gpu(self, args, stream):
@@ -148,7 +154,9 @@ class Kernel:
     def bind(self, *args) -> BoundCall:
         """Check the arguments once and return a call that runs the kernel on them again and
         again (oneDNN's primitive + argument map): no per-call argument checks or view making,
-        the padding contract still honoured on every call."""
+        the padding contract still honoured on every call. A ``weight_bits = 7`` kernel's
+        weights are checked here and when a memory is pointed at another buffer, not when its
+        bytes are rewritten in place."""
         sig = self.signature
         if len(args) != len(sig.args):
             raise ArgumentError(f"{sig.name}: expected {len(sig.args)} arguments "
@@ -199,6 +207,17 @@ class Kernel:
         return f"<blockpad kernel {self.signature!r}>"
 
 
+def check_seven_bit(weights, what) -> None:
+    """A ``weight_bits = 7`` kernel's promise: every weight (and the padding, which the kernel
+    reads as zeros) lies in [-64, 64]. One pass over the weights, a small part of the
+    convolution's work; ``bind`` checks once, as it checks everything else."""
+    lo, hi = int(weights.min(initial=0)), int(weights.max(initial=0))
+    if lo < SEVEN_BIT_RANGE[0] or hi > SEVEN_BIT_RANGE[1]:
+        raise ArgumentError(f"{what}: the kernel was built with weight_bits = 7 (every weight in "
+                            f"[-64, 64]); got weights in [{lo}, {hi}] (rebuild with "
+                            f"weight_bits = 8 for full-range int8 weights)")
+
+
 class BoundCall:
     """A kernel bound to Memory arguments; calling it runs the kernel. The compiled function's
     arguments are made once and remade only if a memory's buffer changed
@@ -216,6 +235,10 @@ class BoundCall:
         if any(map(is_not, bufs, self._buffers)):
             if self._tensors is not None:   # bind() checked the first buffers
                 self._check_overlap()
+                sig = self.kernel.signature
+                if sig.seven_bit is not None:
+                    check_seven_bit(self.mems[sig.seven_bit].buffer, f"{sig.name}: argument "
+                                    f"'weights'")
             self._tensors = [m.kernel_arg(s)[0] for m, s in zip(self.mems, self._storages)]
             self._buffers = bufs
         return self._tensors

@@ -5,7 +5,8 @@
   for s8 sources (blockpad's int8 ops take s8 x s8), exact through a shift and a compensation;
 * ``maddubs_8x4`` / ``maddubs_16x4`` (and ``_s8s8_``): the same dot product on CPUs without
   VNNI, ``vpmaddubsw`` + ``vpmaddwd`` on ymm (AVX2) or zmm (AVX-512BW), exact for every input
-  (the source byte split so that no int16 pair sum saturates);
+  (the source byte split so that no int16 pair sum saturates); ``maddubs7_*``: one
+  ``vpmaddubsw`` a step for weights promised to fit 7 bits (``weight_bits = 7``);
 * every buffer aligned to its element only: blockpad's kernel parameters promise no more;
 * ``amx_u8s8s32_16x16x64`` / ``amx_s8s8s32_16x16x64`` / ``amx_bf16f32_16x16x32``: one AMX
   tile multiply (``tdpbusd``, ``tdpbssd``, ``tdpbf16ps``), or ``n`` of them along the reduction
@@ -142,6 +143,47 @@ def _maddubs_impl(lanes, src):
             T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
             T.writes(C[0:lanes])
             # no named temporaries: TVM 0.27 gives each one a memory slot of its own
+            C[T.ramp(T.int32(0), 1, lanes)] = C.vload([0], dtype=dwords) + dot(
+                T.reinterpret(A.vload([0], quad), dtype="int32"), B.vload([0, 0], dtype=bytes_))
+    return impl
+
+
+# 7-bit weights (``weight_bits = 7``: every weight in [-64, 64], as ONNX Runtime's
+# ``reduce_range`` writes them): a pair of u8 x w is at most 2 * 255 * 64 = 32640 in
+# magnitude, so one ``vpmaddubsw`` of the whole source byte cannot saturate, and ``vpmaddwd``
+# by 1 widens it: half the multiplies of the split above (oneDNN's and ONNX Runtime's AVX2
+# sequence, whose weights are 7-bit for that reason). An s8 source is shifted to u8 and
+# compensated as above, in s16: (a + 128) . b - 128 . b pairs are a . b pairs, at most 2 * 128 *
+# 64 = 16384, so the wrapping ``vpsubw`` is exact. The promise is the caller's; the runtime
+# checks it (runtime/library.py, runtime/graph).
+
+
+def _maddubs7_impl(lanes, src):
+    """``C[lanes] i32 += A[4] . B[lanes, 4] s7``: one ``vpmaddubsw`` + ``vpmaddwd`` by 1."""
+    ub_sw, wd = _MADD[lanes]
+    bytes_, words, dwords = f"int8x{4 * lanes}", f"int16x{2 * lanes}", f"int32x{lanes}"
+    quad = f"{src}x4"
+
+    def ubsw(word, weights):
+        return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(ub_sw),
+                                       T.reinterpret(T.broadcast(word, lanes), dtype=bytes_),
+                                       weights, dtype=words)
+
+    def dot(word, weights):
+        pairs = ubsw(word, weights) if src == "uint8" else \
+            ubsw(T.bitwise_xor(word, T.int32(_BYTE_0X80)), weights) \
+            - ubsw(T.int32(_BYTE_0X80), weights)
+        return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(wd), pairs,
+                                       T.broadcast(T.int16(1), 2 * lanes), dtype=dwords)
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
+        B = T.match_buffer(b, (lanes, 4), "int8", offset_factor=1, align=1)
+        C = T.match_buffer(c, (lanes,), "int32", offset_factor=1, align=1)
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
             C[T.ramp(T.int32(0), 1, lanes)] = C.vload([0], dtype=dwords) + dot(
                 T.reinterpret(A.vload([0], quad), dtype="int32"), B.vload([0, 0], dtype=bytes_))
     return impl
@@ -335,6 +377,40 @@ def _maddubs_twin(lanes, src):
     return twin
 
 
+def _maddubs7_twin(lanes, src):
+    """What ``_maddubs7_impl``'s instructions compute: word k of lane i is
+    SaturateToSignedWord(u[2k] y[i, 2k] + u[2k + 1] y[i, 2k + 1]) with u the source byte as u8
+    (s8 + 128), less (wrapping) the same of a broadcast 128 for an s8 source; ``vpmaddwd`` by 1
+    adds the two words. The saturation is written out: weights outside [-64, 64] would meet it."""
+    signed = src == "int8"
+
+    def sat16(x):
+        return T.max(T.min(x, 32767), -32768)
+
+    def wrap16(x):
+        return T.bitwise_and(x + 32768, 0xFFFF) - 32768
+
+    def word(u, B, i, k):
+        return sat16(u(2 * k) * T.Cast("int32", B[i, 2 * k])
+                     + u(2 * k + 1) * T.Cast("int32", B[i, 2 * k + 1]))
+
+    def pair(A, B, i, k):
+        w = word(lambda e: T.Cast("int32", A[e]) + (128 if signed else 0), B, i, k)
+        return wrap16(w - word(lambda e: 128, B, i, k)) if signed else w
+
+    @T.prim_func(s_tir=True)
+    def twin(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
+        B = T.match_buffer(b, (lanes, 4), "int8", offset_factor=1, align=1)
+        C = T.match_buffer(c, (lanes,), "int32", offset_factor=1, align=1)
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
+            for i in range(lanes):
+                C[i] = C[i] + pair(A, B, i, 0) + pair(A, B, i, 1)
+    return twin
+
+
 def _amx_twin(src, tiles=1):
     """``tiles`` x ``tdpbusd`` / ``tdpbssd`` / ``tdpbf16ps tmm0, tmm1, tmm2`` under the tile
     configuration: for each of C's rows m and dwords n and each dword k of A's row (B's row k),
@@ -393,6 +469,10 @@ MADDUBS = "blockpad_maddubs_8x4"            # u8 x s8, ymm (AVX2)
 MADDUBS_S8 = "blockpad_maddubs_s8s8_8x4"    # s8 x s8, shifted to u8 and compensated
 MADDUBS_16 = "blockpad_maddubs_16x4"        # zmm (AVX-512BW)
 MADDUBS_S8_16 = "blockpad_maddubs_s8s8_16x4"
+MADDUBS7 = "blockpad_maddubs7_8x4"          # u8 x s7 (weight_bits = 7): one vpmaddubsw
+MADDUBS7_S8 = "blockpad_maddubs7_s8s8_8x4"
+MADDUBS7_16 = "blockpad_maddubs7_16x4"
+MADDUBS7_S8_16 = "blockpad_maddubs7_s8s8_16x4"
 _vnni_desc = functools.partial(dot_desc, 16)   # vpdpbusd: 16 int32 lanes
 _MAKERS = {VNNI: (_vnni_desc, _vnni_impl, _vnni_twin, "uint8"),
            VNNI_S8: (_vnni_desc, _vnni_impl, _vnni_twin, "int8"),
@@ -400,6 +480,10 @@ _MAKERS = {VNNI: (_vnni_desc, _vnni_impl, _vnni_twin, "uint8"),
                       functools.partial(_maddubs_twin, lanes), src)
               for name_, lanes, src in ((MADDUBS, 8, "uint8"), (MADDUBS_S8, 8, "int8"),
                                         (MADDUBS_16, 16, "uint8"), (MADDUBS_S8_16, 16, "int8"))},
+           **{name_: (functools.partial(dot_desc, lanes), functools.partial(_maddubs7_impl, lanes),
+                      functools.partial(_maddubs7_twin, lanes), src)
+              for name_, lanes, src in ((MADDUBS7, 8, "uint8"), (MADDUBS7_S8, 8, "int8"),
+                                        (MADDUBS7_16, 16, "uint8"), (MADDUBS7_S8_16, 16, "int8"))},
            AMX_INT8: (_amx_desc, _amx_impl, _amx_twin, "uint8"),
            AMX_S8: (_amx_desc, _amx_impl, _amx_twin, "int8"),
            AMX_BF16: (_amx_desc, _amx_impl, _amx_twin, "uint16"),

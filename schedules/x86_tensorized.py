@@ -23,6 +23,9 @@ reduction) are handled as ``dot_tiled`` says.
 source byte split in halves so that no int16 pair sum saturates (``x86_intrin``): exact, at
 twice the multiplies of oneDNN's single ``vpmaddubsw`` (which is exact only for 7-bit weights).
 
+``Maddubs7``: ``Maddubs`` for weights promised to fit 7 bits (``weight_bits = 7``), one
+``vpmaddubsw`` + ``vpmaddwd`` a step, as oneDNN's and ONNX Runtime's AVX2 int8 kernels.
+
 ``Amx`` (targets with ``amx_tile``): 16 x 16 output tiles, 64 int8 (``tdpbusd`` / ``tdpbssd``)
 or 32 bf16 (``tdpbf16ps``) reduction steps per tile multiply. All of loop ``r`` is one
 intrinsic (``x86_intrin.amx_multiply``): the accumulator tile is loaded from its per-tile
@@ -39,7 +42,7 @@ multiples of 16, are left to the next rule.
 
 A rule returns None for what it does not take (another dtype, dims that are not multiples of
 the tile, a predicated or guarded nest it cannot tensorize), and the next rule in the table
-tries: ``Amx`` falls back to ``Vnni``, then ``Maddubs`` (zmm, then ymm), then
+tries: ``Amx`` falls back to ``Vnni``, then ``Maddubs7`` and ``Maddubs`` (zmm, then ymm), then
 ``register_tiled.RegisterTiled``.
 
 ``reference=True`` builds the same schedule with the plain-loop twins of the intrinsics, so
@@ -50,6 +53,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from blockpad.vocabulary import WEIGHT_BITS_ATTR
+
 from . import x86_intrin as xi
 from .dot_tiled import DotTiled, schedule, tile_acc, tile_dst
 from .nest import uses
@@ -59,6 +64,8 @@ VNNI_TILE = 15   # vectors in a register tile; 16 x 16 int32 would be 1 KiB, whi
                  # the heap
 MADDUBS_TILE = 8  # ymm accumulators: AVX2 has 16 ymm, and each step also holds the weight
                   # vectors, both halves of the broadcast source and the constants 1 and 2
+MADDUBS7_TILE = 12  # 7-bit weights: one broadcast and the constant 1 (and for s8 the 128's
+                    # product) beside the weight vectors
 
 
 class Vnni(DotTiled):
@@ -95,6 +102,23 @@ class Maddubs(DotTiled):
     def intrin(self, nest):
         kind = self.INTRINS[self.lanes].get((nest.src_dtype, nest.wei_dtype, nest.acc_dtype))
         return None if kind is None else xi.name(kind, self.reference)
+
+
+class Maddubs7(Maddubs):
+    """``Maddubs`` for kernels whose weights are promised to fit 7 bits (``weight_bits = 7``,
+    the ``blockpad.weight_bits`` function attribute): one ``vpmaddubsw`` + ``vpmaddwd`` a step
+    (``x86_intrin``), so a tile holds more accumulators (AVX2: 16 ymm less the weight vectors,
+    the broadcast and the constant 1)."""
+
+    TILES: ClassVar[dict] = {8: MADDUBS7_TILE, 16: VNNI_TILE}
+    INTRINS: ClassVar[dict] = {
+        8: {("uint8", "int8", "int32"): xi.MADDUBS7, ("int8", "int8", "int32"): xi.MADDUBS7_S8},
+        16: {("uint8", "int8", "int32"): xi.MADDUBS7_16,
+             ("int8", "int8", "int32"): xi.MADDUBS7_S8_16}}
+
+    def takes(self, func, target):
+        attrs = func.attrs if func.attrs is not None else {}
+        return super().takes(func, target) and int(attrs.get(WEIGHT_BITS_ATTR, 8)) == 7
 
 
 class Amx(ScheduleRule):
@@ -146,4 +170,4 @@ def _contiguous_steps(nest) -> int:
     return block if nest.extents[nest.r] % block == 0 else 0   # 0: no whole blocks, declined
 
 
-RULES = [Amx(), Vnni(), Maddubs(16), Maddubs(8)]
+RULES = [Amx(), Vnni(), Maddubs7(16), Maddubs7(8), Maddubs(16), Maddubs(8)]

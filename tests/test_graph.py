@@ -387,6 +387,42 @@ def test_a_quantized_convolution_takes_no_post_op_and_packs_dot_product_weights(
     assert "OIhw4i16o4i" in g.plan(x=xv).describe()
     assert np.array_equal(fused["eltwise_0"].numpy(), unfused["eltwise_0"].numpy())
 
+
+def test_seven_bit_constant_weights_take_the_seven_bit_kernel_and_stay_exact(cache, rng):
+    """An int8 convolution whose constant weights lie in [-64, 64] gets a weight_bits = 7
+    kernel (one vpmaddubsw a step); new weights outside that range given by set_constant plan
+    the graph again (a full-range kernel), and the same change made in place under
+    weights="check" is refused before the kernel could saturate. Results equal the numpy
+    reference throughout."""
+    from blockpad.runtime.graph.ops import GRAPH_OPS
+
+    w7 = rng.integers(-64, 65, (16, 16, 3, 3)).astype("int8")
+    g = bp.Graph(cache=cache)
+    x = g.input("x", (1, 16, 6, 6), "uint8")
+    y = g.conv2d(x, g.constant("w", w7), pad=1, scale=g.constant("s", np.full(16, 0.01, "float32")),
+                 src_zero_point=5, dst_zero_point=3, dst_dtype="uint8")
+    g.output(y)
+    xv = rng.integers(0, 256, (1, 16, 6, 6)).astype("uint8")
+
+    def check(res, w):
+        node = g.nodes[0]
+        want = GRAPH_OPS["conv2d"].reference(node, [xv, w, np.full(16, 0.01, "float32")])[0]
+        assert np.array_equal(res["conv2d_0"].numpy(), want)
+
+    def bits():
+        return g.plan(x=xv).steps[-1].kernel.signature.params.get("weight_bits", 8)
+
+    check(g.run(x=xv), w7)
+    assert bits() == 7
+    wide = w7.copy()
+    wide[0, 0, 0, 0] = -128
+    g.constants["w"][...] = wide                 # in place, weights="check": refused
+    with pytest.raises(bp.ArgumentError, match=r"\[-64, 64\].*set_constant"):
+        g.run(x=xv)
+    g.set_constant("w", wide)                    # the documented way: planned again
+    check(g.run(x=xv), wide)
+    assert bits() == 8
+
 # ---- fallback ---------------------------------------------------------------------------------
 
 class _NoBlocked:

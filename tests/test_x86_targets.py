@@ -323,6 +323,89 @@ def test_host_int8_library_runs_here_and_is_exact(host_int8_dir, rng):
     assert ran == len(HOST_SPEC["kernel"])
 
 
+# weight_bits = 7 (weights in [-64, 64], ONNX Runtime's reduce_range): one vpmaddubsw a step
+SEVEN_SPEC = {"library": {"name": "test-seven-bit"}, "kernel": [
+    {"name": f"conv_{dt}_{bits}", **HOST_CONV, "dtype": dt, "weight_bits": bits}
+    for dt in ("uint8", "int8") for bits in (7, 8)] + [
+    {"name": "mm_u8_7", "op": "matmul", "dtype": "uint8", "shape": [7, 18], "n": 13,
+     "src": "ab", "weights": "BA16b4a", "dst": "aB16b", "weight_bits": 7}]}
+
+
+@pytest.fixture(scope="session")
+def seven_bit_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seven-bit") / "lib"
+    bp.build(parse_spec(SEVEN_SPEC), "host", out, log=lambda m: None)
+    return out
+
+
+def _seven_bit_inputs(sig, rng):
+    """dot_inputs with the weights in [-64, 64], both ends present (the pairs nearest the int16
+    bound: 2 x 255 x 64 = 32640), padding included (the kernel reads it as zeros)."""
+    args = dot_inputs(sig, rng)
+    w = args["weights"]
+    w.buffer[:] = rng.integers(-64, 65, w.buffer.shape).astype(np.int8)
+    w.buffer[w.layout.padding_offsets()] = 0
+    w.buffer[:2] = [-64, 64]
+    return args
+
+
+def test_seven_bit_weights_take_one_vpmaddubsw_a_step_and_stay_exact(seven_bit_dir, rng):
+    """With weight_bits = 7 the hot loop multiplies the whole source byte: no split into
+    ``u >> 1`` (masked by 0x7F7F7F7F) and ``u & 1``, so one vpmaddubsw + vpmaddwd per output
+    vector and step instead of two; exact against numpy's int64 reference with weights at both
+    ends of [-64, 64] and full-range sources (s8 and u8)."""
+    funcs = asm_functions(seven_bit_dir)
+    lib = bp.load(seven_bit_dir)
+    split_mask = "$2139062143"   # 0x7F7F7F7F
+    for dt in ("uint8", "int8"):
+        for bits in (7, 8):
+            name = f"conv_{dt}_{bits}"
+            code = kernel_instructions(funcs, name)
+            assert _has(code, "vpmaddubsw") and _has(code, "vpmaddwd"), name
+            hot = max(isa.innermost_loops([l for ls in assembly.kernel_code(funcs, name).values()
+                                           for l in ls]),
+                      key=lambda loop: sum("vpmaddubsw" in l for l in loop))
+            assert any(split_mask in l for l in hot) == (bits == 8), name
+    for name, sig in lib.kernels.items():
+        if sig.op not in ("conv2d", "matmul"):
+            continue
+        args = _seven_bit_inputs(sig, rng)
+        lib[name](*[args[a[0]] for a in sig.args])
+        np.testing.assert_array_equal(args["dst"].to_numpy(),
+                                      dot_reference(sig, args).astype(np.float32), err_msg=name)
+
+
+def test_seven_bit_kernels_refuse_wider_weights_on_every_call_and_bind(seven_bit_dir, rng):
+    """A weight of 65 (or -65) would saturate one vpmaddubsw: the call and bind() refuse it."""
+    lib = bp.load(seven_bit_dir)
+    for name in ("conv_uint8_7", "mm_u8_7"):
+        sig = lib.kernels[name]
+        args = _seven_bit_inputs(sig, rng)
+        ordered = [args[a[0]] for a in sig.args]
+        lib[name].bind(*ordered)()                # in range: fine
+        for bad in (65, -65):
+            args["weights"].buffer[1] = bad
+            with pytest.raises(bp.ArgumentError, match=r"weight_bits = 7.*\[-64, 64\]"):
+                lib[name](*ordered)
+            with pytest.raises(bp.ArgumentError, match="weight_bits = 7"):
+                lib[name].bind(*ordered)
+    with pytest.raises(bp.SpecError, match="weight_bits"):
+        parse_spec({"kernel": [{"name": "k", **HOST_CONV, "weight_bits": 6}]})
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+def test_seven_bit_zmm_schedule_is_exact_with_the_reference_twin(dtype, rng):
+    """AVX-512BW's 7-bit sequence (16 lanes of zmm), run here through its plain-loop twin,
+    which writes out vpmaddubsw's saturation: exact for weights in [-64, 64]."""
+    from blockpad.schedules.x86_tensorized import Maddubs7
+
+    spec = {"name": "k", **HOST_CONV, "dtype": dtype, "weight_bits": 7}
+    sig, run = _twin(spec, Maddubs7(16, reference=True), "avx512")
+    args = _seven_bit_inputs(sig, rng)
+    run(args)
+    _check("k", sig, args, exact=True)
+
+
 @pytest.mark.parametrize("spec", [{"name": f"conv_{i}", "op": "conv2d", **c}
                                   for i, c in enumerate(AWKWARD_CONVS)] + [
     {"name": "mm_s8_odd", **next(k for k in VNNI_SPEC["kernel"] if k["name"] == "mm_s8_odd")}],

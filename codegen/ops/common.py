@@ -22,7 +22,7 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
-from blockpad.vocabulary import ACC, DST
+from blockpad.vocabulary import ACC, DST, WEIGHT_BITS_ATTR
 
 from ..kernel import Arg, KernelDef, finish
 from ..policy import PaddingPlan, plan
@@ -209,6 +209,8 @@ def materialize(opdef: OpDef, dst: Layout, plan: PaddingPlan, name: str,
     args.append(Arg("dst", dst, "out", out_storage))
     kernel = finish(func, name, opdef.op, args)
     kernel.params = dict(opdef.params or {})
+    if kernel.params.get("weight_bits", 8) != 8:   # the promise the schedule rules may use
+        kernel.func = kernel.func.with_attr(WEIGHT_BITS_ATTR, kernel.params["weight_bits"])
     kernel.contract = plan.contract()
     kernels = [kernel]
     if plan.dst_stage and dst.has_padding:

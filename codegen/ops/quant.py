@@ -23,6 +23,11 @@ LLVM takes where the target has FMA (checked: x86-64-v3 code has ``vfmadd`` ther
 multiply and the add that follows it (the scale and a float32 bias, a sum's scale, ``linear``)
 become one fused multiply-add, rounded once instead of twice.
 
+``weight_bits = 7`` promises weights in [-64, 64] (ONNX Runtime's ``reduce_range``): the
+result is the same, and x86 without VNNI takes one ``vpmaddubsw`` a step instead of two
+(``schedules/x86_intrin.py``). The kernel function carries the promise as an attribute
+(``WEIGHT_BITS_ATTR``) for the schedule rules; the runtime checks the weights on every call.
+
 Zero points and padding, oneDNN's semantics (its ``zp_src_pad_comp``): the padding of a
 zero-point-shifted source *is* the zero point, i.e. it contributes 0 to ``acc`` after the
 shift. The dot product reads padding as 0 whatever the spatial padding (a fused guard, a
@@ -46,7 +51,7 @@ import numpy as np
 from tvm import te, tirx
 
 from blockpad.errors import SpecError
-from blockpad.vocabulary import QUANT_DEFAULTS, QUANT_DST_DTYPES, SCALES
+from blockpad.vocabulary import QUANT_DEFAULTS, QUANT_DST_DTYPES, SCALES, WEIGHT_BITS
 
 INTEGER = ("int8", "uint8")
 PARAMS = dict(QUANT_DEFAULTS)
@@ -72,6 +77,9 @@ def check(src_dtype: str, params: dict) -> dict:
     if not _int(q["src_zero_point"]) or not lo <= q["src_zero_point"] <= hi:
         raise SpecError(f"src_zero_point: expected an integer in [{lo}, {hi}] ({src_dtype} "
                         f"source); got {q['src_zero_point']!r}")
+    if q["weight_bits"] not in WEIGHT_BITS or isinstance(q["weight_bits"], bool):
+        raise SpecError(f"weight_bits: expected 8 (int8 weights) or 7 (every weight in "
+                        f"[-64, 64]); got {q['weight_bits']!r}")
     if q["scales"] not in SCALES:
         raise SpecError(f"scales: expected one of {', '.join(SCALES)}; got {q['scales']!r}")
     s = q["dst_scale"]

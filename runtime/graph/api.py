@@ -190,6 +190,8 @@ class Graph:
         if (array.shape, dtype_name(array.dtype)) != self._types[name]:
             raise ArgumentError(f"{name}: expected {self._types[name]}; got {array.shape} "
                                 f"{array.dtype}")
+        if self.weight_cache.leaves_seven_bit(name, array):
+            self._changed()   # its convolutions were planned for 7-bit weights: plan again
         self.weight_cache.set(name, array)
 
     def add_op(self, op, inputs, attrs=None, name=None, outputs=None, n_outputs=1):

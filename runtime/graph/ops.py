@@ -496,6 +496,8 @@ class Conv2d(OpInfo):
                   "pad": pad_sides_param(a["pad"]), "dilation": list(a["dilation"]),
                   "groups": int(a["groups"]), "post_ops": [dict(p) for p in a["post_ops"]],
                   **quant_params(node)}
+        if q is not None and graph.weight_cache.seven_bit(node.inputs[1]):
+            params["weight_bits"] = 7   # constant weights in [-64, 64]: one vpmaddubsw a step
         if tile is not None:
             params.update(algorithm="winograd", winograd_tile=tile)
         return Request.make("conv2d", list(zip(names, lays)), params, graph.policy, shape=src,

@@ -22,6 +22,7 @@ import numpy as np
 from blockpad import winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, numpy_dtype
+from blockpad.vocabulary import SEVEN_BIT_RANGE
 
 from ..memory import Memory, aligned_empty
 from .kernels import MemoryRuntime, reorder, reorder_request, winograd_weights
@@ -39,6 +40,7 @@ class WeightCache:
         self._kept: dict = {}         # name -> a copy of its bytes when it was reordered
         self._stale: set = set()
         self._prepacked: set = set()  # constants held only in packed layouts
+        self._seven_bit: set = set()  # int8 weights planned as weight_bits = 7 kernels' input
         self._lock = threading.RLock()
 
     def add(self, name, array) -> None:
@@ -64,6 +66,8 @@ class WeightCache:
             self.arrays[name] = self._keep(array)
             self._stale.add(name)
             self._prepacked.discard(name)
+            if not fits_seven_bit(np.asarray(array)):
+                self._seven_bit.discard(name)   # the graph plans again (Graph.set_constant)
 
     def _keep(self, array):
         if self.mode == "frozen":
@@ -81,6 +85,26 @@ class WeightCache:
         return (f"{name}: the plan reads this prepacked constant as {layout}; it is held only "
                 f"as {', '.join(have) or 'nothing'} (rebuild the model, or set_constant a plain "
                 f"array)")
+
+    def seven_bit(self, name) -> bool:
+        """Whether the int8 constant ``name`` fits 7 bits (every value in [-64, 64]), so its
+        convolutions may take one ``vpmaddubsw`` a step (``weight_bits = 7``); a prepacked one
+        is judged by its packed bytes. A yes is remembered: a later change that leaves the
+        range is refused (``refresh``) or re-plans the graph (``Graph.set_constant``)."""
+        with self._lock:
+            if name in self._prepacked:
+                arrays = [m.buffer for (c, _), m in self._prepared.items() if c == name]
+            else:
+                arrays = [self.arrays.get(name)]
+            fits = all(a is not None and a.dtype == np.int8 and fits_seven_bit(a)
+                       for a in arrays)
+            if fits:
+                self._seven_bit.add(name)
+            return fits
+
+    def leaves_seven_bit(self, name, array) -> bool:
+        """Whether new values for ``name`` break a 7-bit plan (``seven_bit`` said yes)."""
+        return name in self._seven_bit and not fits_seven_bit(np.asarray(array))
 
     def warm(self, name, layout) -> None:
         """Compile (or load) the kernel that will prepare ``name`` in ``layout`` now: planning
@@ -120,6 +144,11 @@ class WeightCache:
 
     def _reorder(self, name, mem, report):
         src = self.arrays[name]
+        if name in self._seven_bit and not fits_seven_bit(src):
+            raise ArgumentError(f"{name}: the graph's int8 convolutions were planned for weights "
+                                f"in [-64, 64] (weight_bits = 7) and the array now holds "
+                                f"[{int(src.min())}, {int(src.max())}]: give it with "
+                                f"set_constant, which plans the graph again")
         lay = mem.layout
         if winograd.domain_tile(lay, np.shape(src)) is not None:
             # Winograd-domain weights (K, C, m + 2, m + 2) of 3x3 ones: transformed, not reordered
@@ -133,6 +162,12 @@ class WeightCache:
             report.weight_reorders += 1
         if self.mode == "check":
             self._kept[name] = _raw(src).copy()
+
+
+def fits_seven_bit(array) -> bool:
+    """Every value in [-64, 64] (``weight_bits = 7``)."""
+    lo, hi = SEVEN_BIT_RANGE
+    return array.size == 0 or (int(array.min()) >= lo and int(array.max()) <= hi)
 
 
 def _weight_source(layout: Layout) -> Layout:
