@@ -651,7 +651,9 @@ class Pool(OpInfo):
 
 class Matmul(OpInfo):
     """``(M, K) x (K, N)`` (+ bias (N,) and post-ops): an inner product, a classifier head.
-    Blocked: weights packed ``Ba16b`` (K x 16 column panels, what the x86 kernel streams)."""
+    Blocked: weights packed ``Ba16b`` (K x 16 column panels, what the x86 kernel streams);
+    int8 ``BA16b4a`` (16 columns x 4 rows a register: the dot-product instructions'),
+    ``weight_bits = 7`` where the constant weights fit (as ``Conv2d``)."""
 
     name = "matmul"
 
@@ -679,14 +681,16 @@ class Matmul(OpInfo):
             post_op_inputs(node.attrs) + ["dst"]
         args = [("in", i) for i in range(len(types))] + [("out", 0)]
         out = []
-        for wtag in ([] if graph.layouts == "plain" else ["Ba16b"]) + ["ab"]:
+        params = {"n": int(w[1]), "post_ops": node.attrs["post_ops"], **quant_params(node)}
+        if q is not None and graph.weight_cache.seven_bit(node.inputs[1]):
+            params["weight_bits"] = 7
+        packed = "BA16b4a" if wdt == "int8" else "Ba16b"
+        for wtag in ([] if graph.layouts == "plain" else [packed]) + ["ab"]:
             lays = [plain(src, dt), Layout(wtag, w, wdt)] + \
                 [plain(t[0], t[1]) for t in types[2:]] + [plain(out_shape, out_dt)]
             out.append(Candidate(lays[:-1], lays[-1:], lambda inplace, lays=lays: Request.make(
-                "matmul", list(zip(names, lays)), {"n": int(w[1]),
-                                                   "post_ops": node.attrs["post_ops"],
-                                                   **quant_params(node)},
-                graph.policy), args, "blocked" if wtag != "ab" else "plain"))
+                "matmul", list(zip(names, lays)), params, graph.policy), args,
+                "blocked" if wtag != "ab" else "plain"))
         return out
 
     def reference(self, node, arrays):
