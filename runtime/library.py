@@ -236,9 +236,9 @@ class BoundCall:
             if self._tensors is not None:   # bind() checked the first buffers
                 self._check_overlap()
                 sig = self.kernel.signature
-                if sig.seven_bit is not None:
-                    check_seven_bit(self.mems[sig.seven_bit].buffer, f"{sig.name}: argument "
-                                    f"'weights'")
+                i = sig.seven_bit
+                if i is not None and bufs[i] is not self._buffers[i]:   # new weights
+                    check_seven_bit(bufs[i], f"{sig.name}: argument 'weights'")
             self._tensors = [m.kernel_arg(s)[0] for m, s in zip(self.mems, self._storages)]
             self._buffers = bufs
         return self._tensors

@@ -128,6 +128,17 @@ class _Execution:
         self.stream = None
         self.calls = []
         self._bound = False
+        self._flats = {}   # constant name -> (its array, the flat view the kernels read)
+
+    def _flat(self, name):
+        """The constant ``name`` as a flat buffer, the same object run after run while the
+        array is (a new object would make each bound kernel call rebuild its arguments and
+        repeat its checks)."""
+        arr = self.weights.arrays[name]
+        held = self._flats.get(name)
+        if held is None or held[0] is not arr:
+            held = self._flats[name] = (arr, np.ascontiguousarray(arr).reshape(-1))
+        return held[1]
 
     def _bind(self, weights):
         plan = self.plan
@@ -217,8 +228,7 @@ class _Execution:
                     if isinstance(value, Memory) and mem.buffer is value.buffer:
                         value.state = CLEAN
             elif s.kind == "constant" and s.last is not None:   # read as it is by a step
-                arr = self.weights.arrays[s.value]
-                mem.buffer, mem.state = np.ascontiguousarray(arr).reshape(-1), CLEAN
+                mem.buffer, mem.state = self._flat(s.value), CLEAN
             elif s.kind == "weight":
                 w = weights[b.id]
                 mem.buffer, mem.state = w.buffer, w.state
