@@ -5,8 +5,8 @@ The networks are ``blockpad.models``' (random weights, exported by PyTorch), qua
 ``blockpad.models.quantized.quantize`` (QDQ, per-channel 7-bit weights, uint8 activations
 calibrated on random inputs). Contenders, each in its own process (``bench model``'s reasons):
 
-* ``blockpad int8``: the QDQ model through ``bp.Graph.from_onnx`` (kernels compiled into the
-  kernel cache by the parent first; the child plans and loads them);
+* ``blockpad int8``: the QDQ model built ahead of time (``blockpad build``: its kernels, plan
+  and packed weights), loaded by ``bp.load`` in the child, as ``bench model`` runs fp32;
 * ``onnxruntime int8``: the same QDQ model, default session options (it fuses the QDQ groups
   into its integer kernels);
 * ``blockpad fp32``: the float model built ahead of time, as ``bench model`` runs it.
@@ -47,9 +47,8 @@ def _contender(name, args, x):
         return (lambda: sess.run(None, feed)[0]), {}
     import blockpad as bp
 
-    g = bp.Graph.from_onnx(args.onnx)
-    feed = {next(iter(g.inputs)): x}
-    return (lambda: g(feed)), g.run(feed).report.fallbacks
+    model = bp.load(args.dir)
+    return (lambda: model(x)), model.run(x).report.fallbacks
 
 
 def child(args) -> dict:
@@ -63,16 +62,16 @@ def child(args) -> dict:
 
 def _spawn(name, threads, paths, args) -> dict:
     return run_child("blockpad.bench.int8", name, threads, paths["work"],
-                     ["--repeat", str(args.repeat), "--onnx", paths["int8"], "--input",
-                      paths["input"]])
+                     ["--repeat", str(args.repeat), "--onnx", paths["int8"], "--dir",
+                      paths["int8_dir"], "--input", paths["input"]])
 
 
 def prepare(name, batch, hw, seed, target, log=print) -> dict:
     """The fp32 model built ahead of time (``bench model``'s ``prepare``), its quantized QDQ
-    form, and blockpad's int8 kernels compiled into the kernel cache."""
+    form, and that built ahead of time too."""
     import onnx
 
-    import blockpad as bp
+    from blockpad.model_build import build_model
     from blockpad.models import quantized
 
     from . import model
@@ -83,11 +82,10 @@ def prepare(name, batch, hw, seed, target, log=print) -> dict:
         log(f"quantizing {paths['onnx']} (QDQ, calibrated on random inputs)")
         onnx.save(quantized.quantize(onnx.load(paths["onnx"]), "qdq", seed=seed), int8)
     t0 = time.perf_counter()
-    g = bp.Graph.from_onnx(int8)
-    g.plan(**{n: bp.Layout("nchw" if len(s) == 4 else "ab", s, d)
-              for n, (s, d) in g.inputs.items()})
-    log(f"blockpad int8 plan (kernels compiled or loaded): {time.perf_counter() - t0:.1f} s")
-    return {**paths, "int8": int8}
+    int8_dir = os.path.join(paths["work"], f"blockpad_int8_{target}")
+    build_model(int8, target, int8_dir, log=log)
+    log(f"blockpad int8 build: {time.perf_counter() - t0:.1f} s")
+    return {**paths, "int8": int8, "int8_dir": int8_dir}
 
 
 def main(models=MODELS, batch=1, hw=224, repeat=5, threads=None, target=None, seed=0):
@@ -144,6 +142,7 @@ def _cli():
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--onnx", required=True)
+    p.add_argument("--dir", required=True)
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     print(json.dumps(child(p.parse_args())))
