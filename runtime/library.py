@@ -78,12 +78,19 @@ class Kernel:
         if self._gpu:
             return self._run_on_gpu(args, stream)
         mems = self._memories(args)
-        inplace = self._inplace_form(mems)
+        views = [m.kernel_arg(a.storage) for m, a in zip(mems, sig.args)]
+        inplace = self._inplace_form(mems, [v[1:] for v in views])
         if inplace is not None:
             return inplace(*args[:-1], stream=stream)
+        bufs = [m.buffer for m in mems]
+
+        def tensors():   # the views made for the overlap check, unless a zero-pad copied
+            if any(map(is_not, (m.buffer for m in mems), bufs)):
+                return [m.kernel_arg(a.storage)[0] for m, a in zip(mems, sig.args)]
+            return [v[0] for v in views]
         if stream is not None:
-            return stream.submit(self._run, mems)
-        self._run(mems)
+            return stream.submit(self._run, mems, tensors)
+        self._run(mems, tensors)
         return None
 
     def _memories(self, args) -> list:
@@ -170,15 +177,16 @@ class Kernel:
             return inplace.bind(*args[:-1])
         return BoundCall(self, mems)
 
-    def _inplace_form(self, mems):
+    def _inplace_form(self, mems, spans=None):
         """Refuse overlapping arguments (kernels are compiled assuming none), except one case:
         a source passed again as the destination of an op the library also has built with
         ``inplace = true``, whose in-place kernel is returned to run instead. Otherwise the
-        error says how to get one."""
+        error says how to get one. ``spans``: the arguments' byte ranges, if made already."""
         sig = self.signature
         if not sig.written_pairs:
             return None
-        spans = [m.kernel_arg(a.storage)[1:] for m, a in zip(mems, sig.args)]
+        if spans is None:
+            spans = [m.kernel_arg(a.storage)[1:] for m, a in zip(mems, sig.args)]
         overlap = _ranges_overlap(spans)
         for i, j in sig.written_pairs:
             if not overlap(i, j):

@@ -59,8 +59,12 @@ def after_call(contract: dict | None, sources: list, dst: Memory, stage) -> None
     produces = contract["produces"] if contract else CLEAN   # reorders and zero-pads: clean
     if produces == "preserved":
         return
-    if produces == "inherit":
-        produces = CLEAN if all(m.state == CLEAN for m in sources) else DIRTY
+    if produces == "inherit":   # a loop, not all(<generator>): this runs on every call
+        produces = CLEAN
+        for m in sources:
+            if m.state != CLEAN:
+                produces = DIRTY
+                break
     dst.state = produces
 
 
