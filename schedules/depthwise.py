@@ -33,7 +33,7 @@ from tvm import s_tir, tirx
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import divisor_at_most, vector_lanes
+from .common import divisor_at_most, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source
 from .rule import ScheduleRule, distinct
@@ -142,7 +142,7 @@ def _schedule(func, target, mr, rows):
         task = sch.fuse(n, cb, oh_o)
         sch.parallel(task)
         sch.compute_at(acc, ow_o, preserve_unit_loops=True)
-        sch.set_scope(acc, 0, "local")
+        sch.set_scope(acc, 0, tile_scope(target))
         loops = sch.get_loops(acc)
         n_red = sum(1 for iv in sch.get(acc).iter_vars if int(iv.iter_type) != SPATIAL)
         *_, at, av = loops[:len(loops) - n_red]

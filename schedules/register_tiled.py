@@ -12,7 +12,8 @@ micro-kernel is the classic one (oneDNN's jit convolutions, BLIS):
   weight vectors: ``mu x mr x nr`` accumulators (AVX2: 6 x 16 = 12 ymm; AVX-512: 2 x 8 x 16 =
   16 zmm, past which LLVM spills the unrolled loop);
 * ``dst`` is tiled so, and ``acc`` is computed per tile (``compute_at``) into a tile-sized
-  local buffer that LLVM keeps in registers: zeroed, then the reduction, whose loops sit
+  stack buffer that LLVM keeps in registers (``common.tile_scope``): zeroed, then the
+  reduction, whose loops sit
   between the tile's outer and inner loops with the one that walks the source's channel block
   innermost and unrolled (kh, kw outside it), so that each step is broadcast, weight loads and
   FMAs (``vbroadcastss`` + ``vfmadd231ps``); then the epilogue (post-ops, cast, padding store)
@@ -52,7 +53,7 @@ from tvm import s_tir, tirx
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import is_true, vector_lanes
+from .common import is_true, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source
 from .rule import ScheduleRule, distinct
@@ -150,7 +151,7 @@ def _schedule(func, target, cfg: Config, tails=False):
     try:
         stages = [b for b in root_blocks(sch) if sch.get(b).name_hint not in names]
         for acc, dst, c in parts:
-            _tile(sch, sch.get_sblock(acc), sch.get_sblock(dst), c)
+            _tile(sch, sch.get_sblock(acc), sch.get_sblock(dst), c, target)
         for block in stages:   # a spatial padding stage, if the kernel has one
             spatial_parallel_vectorize(sch, block, target)
     except s_tir.ScheduleError:
@@ -196,14 +197,14 @@ def _weights_block_dim(block, n_sp):
     return None
 
 
-def _tile(sch, acc, dst, cfg: Config):
+def _tile(sch, acc, dst, cfg: Config, target):
     """Tile ``dst`` in ``mr x nr`` tiles and compute ``acc`` per tile as the register-tiled
     micro-kernel."""
     n_dims = len(sch.get_loops(dst))
     u = _weights_block_dim(sch.get(acc), n_dims) if cfg.mu > 1 else None
     outer = _tile_loops(sch, dst, cfg, u)
     sch.compute_at(acc, outer[-1], preserve_unit_loops=True)
-    sch.set_scope(acc, 0, "local")
+    sch.set_scope(acc, 0, tile_scope(target))
     threads = outer if cfg.parallel_tiles or len(outer) < 2 else outer[:-1]
     _micro_kernel(sch, acc, dst, threads, u, n_dims, cfg)
 

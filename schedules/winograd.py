@@ -77,7 +77,8 @@ def _schedule(func, target, cfg, facts):
     lanes = cfg.lanes
     try:
         others = [b for b in root_blocks(sch) if sch.get(b).name_hint not in STAGES]
-        register_tiled._tile(sch, sch.get_sblock("wino_acc"), sch.get_sblock("wino_m"), cfg)
+        register_tiled._tile(sch, sch.get_sblock("wino_acc"), sch.get_sblock("wino_m"), cfg,
+                             target)
         _input_transform(sch, lanes)
         _output_transform(sch, lanes, facts)
         for block in others:   # per-channel copies (bias)

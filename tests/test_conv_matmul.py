@@ -447,11 +447,30 @@ def test_spec_errors(change, message):
 @pytest.mark.parametrize("policy", ["dst_fused", "dst_stage"])
 @pytest.mark.parametrize("case", CASES)
 def test_register_tiled_rule_takes_every_case(case, policy):
-    """Every case gets the micro-kernel (the tile's accumulators in a local buffer, the
+    """Every case gets the micro-kernel (the tile's accumulators in a scratch buffer, the
     epilogue fused into it, outer loops parallel), the valid plan's predicated stages too."""
     sch = RegisterTiled().apply(_kernels(CASES[case], policy)[0].func, get_target("host"))
     script = sch.mod["main"].script()
-    assert "acc_local" in script and "T.parallel" in script and "T.vectorized" in script
+    assert "acc = T.sblock_alloc_buffer" in script and "T.parallel" in script \
+        and "T.vectorized" in script
+
+
+POINTWISE = {"op": "conv2d", "shape": [1, 16, 12, 12], "channels": 96, "src": "nChw16c",
+             "weights": "OIhw16i16o", "dst": "nChw16c"}
+
+
+@pytest.mark.parametrize("entry", [POINTWISE, CASES["mm_blocked"]], ids=["conv1x1", "matmul"])
+def test_x86_register_tiles_live_on_the_stack(entry):
+    """The accumulator tile is a stack buffer LLVM keeps in registers, not a workspace from
+    TVMBackendAllocWorkspace, which it must keep in memory (zero stores, stores, reloads:
+    a C16 -> K96 1x1 conv ran at 43 GFLOP/s that way, 55 on the stack; schedules.common).
+    These kernels have no other scratch (no staged source, no bias copy)."""
+    import tvm
+
+    kernel = _kernels(entry)[0]
+    sch = RegisterTiled().apply(kernel.func, get_target("host"))
+    lib = tvm.compile(tvm.IRModule({"k": sch.mod["main"]}), target=get_target("host").tvm_target())
+    assert "TVMBackendAllocWorkspace" not in lib.mod.inspect_source("ll").split("define", 1)[1]
 
 
 def test_register_tiled_rule_leaves_other_ops():
