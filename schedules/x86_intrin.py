@@ -103,14 +103,15 @@ _MADD = {8: ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"),
          16: ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512")}
 
 
-def _maddubs_impl(lanes, src):
+def _maddubs_impl(lanes, src, seven_bit=False):
     """``C[lanes] i32 += A[4] . B[lanes, 4] i8`` with the source split in halves (above). An s8
     source is shifted to u8 (``a ^ 0x80``) and compensated: a . b = 2 (h . b - 64 sum(b)) +
     l . b, the 64 sum(b) pairs one more ``vpmaddubsw`` of a broadcast 64, subtracted in s16
     (``vpsubw``) before the ``vpmaddwd`` by 2: the difference is (h - 64) . b with h - 64 in
     [-64, 63], at most 2 * 64 * 128 = 16384 a pair, so the wrapping s16 subtraction is exact.
     The broadcast 64's product depends on the weights only: LLVM computes it once for the rows
-    of a tile that no predicate separates."""
+    of a tile that no predicate separates. ``seven_bit``: weights in [-64, 64], the whole byte
+    in one ``vpmaddubsw`` (below)."""
     ub_sw, wd = _MADD[lanes]
     signed = src == "int8"
     bytes_, words, dwords = f"int8x{4 * lanes}", f"int16x{2 * lanes}", f"int32x{lanes}"
@@ -126,6 +127,11 @@ def _maddubs_impl(lanes, src):
                                        T.broadcast(T.int16(by), 2 * lanes), dtype=dwords)
 
     def dot(word, weights):   # word: the 4 source bytes as an int32
+        if seven_bit:
+            if not signed:
+                return madd(ubsw(word, weights), 1)
+            return madd(ubsw(T.bitwise_xor(word, T.int32(_BYTE_0X80)), weights)
+                        - ubsw(T.int32(_BYTE_0X80), weights), 1)
         if not signed:
             return madd(ubsw(T.bitwise_and(T.shift_right(word, 1), T.int32(_BYTE_0X7F)), weights), 2) \
                 + madd(ubsw(T.bitwise_and(word, T.int32(_BYTE_0X01)), weights), 1)
@@ -156,37 +162,6 @@ def _maddubs_impl(lanes, src):
 # compensated as above, in s16: (a + 128) . b - 128 . b pairs are a . b pairs, at most 2 * 128 *
 # 64 = 16384, so the wrapping ``vpsubw`` is exact. The promise is the caller's; the runtime
 # checks it (runtime/library.py, runtime/graph).
-
-
-def _maddubs7_impl(lanes, src):
-    """``C[lanes] i32 += A[4] . B[lanes, 4] s7``: one ``vpmaddubsw`` + ``vpmaddwd`` by 1."""
-    ub_sw, wd = _MADD[lanes]
-    bytes_, words, dwords = f"int8x{4 * lanes}", f"int16x{2 * lanes}", f"int32x{lanes}"
-    quad = f"{src}x4"
-
-    def ubsw(word, weights):
-        return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(ub_sw),
-                                       T.reinterpret(T.broadcast(word, lanes), dtype=bytes_),
-                                       weights, dtype=words)
-
-    def dot(word, weights):
-        pairs = ubsw(word, weights) if src == "uint8" else \
-            ubsw(T.bitwise_xor(word, T.int32(_BYTE_0X80)), weights) \
-            - ubsw(T.int32(_BYTE_0X80), weights)
-        return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(wd), pairs,
-                                       T.broadcast(T.int16(1), 2 * lanes), dtype=dwords)
-
-    @T.prim_func(s_tir=True)
-    def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
-        A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
-        B = T.match_buffer(b, (lanes, 4), "int8", offset_factor=1, align=1)
-        C = T.match_buffer(c, (lanes,), "int32", offset_factor=1, align=1)
-        with T.sblock("root"):
-            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
-            T.writes(C[0:lanes])
-            C[T.ramp(T.int32(0), 1, lanes)] = C.vload([0], dtype=dwords) + dot(
-                T.reinterpret(A.vload([0], quad), dtype="int32"), B.vload([0, 0], dtype=bytes_))
-    return impl
 
 
 # ---- AMX -----------------------------------------------------------------------------------
@@ -335,14 +310,15 @@ def _vnni_twin(src):
     return twin
 
 
-def _maddubs_twin(lanes, src):
+def _maddubs_twin(lanes, src, seven_bit=False):
     """What ``_maddubs_impl``'s instructions compute, from Intel's pseudo-code: ``vpmaddubsw``
     word k of lane i is SaturateToSignedWord(u8 x[2k] * s8 y[i, 2k] + u8 x[2k + 1] * s8
     y[i, 2k + 1]); ``vpsubw`` subtracts words modulo 2**16; ``vpmaddwd`` by m adds m * word 0 +
     m * word 1 into int32. x is the high half h of the source byte u (by 2) and its low bit l
-    (by 1), u = a, or a + 128 for an s8 source, whose high words lose the broadcast 64's. The
-    saturation and the wrap-around are written out: neither binds on these halves; both would
-    on u itself."""
+    (by 1), u = a, or a + 128 for an s8 source, whose high words lose the broadcast 64's;
+    ``seven_bit``: x is u itself (by 1), less the broadcast 128's for an s8 source. The
+    saturation and the wrap-around are written out: neither binds on these inputs; both would
+    on u itself by full-range weights."""
     signed = src == "int8"
 
     def u(x):
@@ -362,42 +338,17 @@ def _maddubs_twin(lanes, src):
         h = word(lambda e: T.shift_right(u(A[e]), 1), B, i, k)
         return wrap16(h - word(lambda e: 64, B, i, k)) if signed else h
 
-    @T.prim_func(s_tir=True)
-    def twin(a: T.handle, b: T.handle, c: T.handle) -> None:
-        A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
-        B = T.match_buffer(b, (lanes, 4), "int8", offset_factor=1, align=1)
-        C = T.match_buffer(c, (lanes,), "int32", offset_factor=1, align=1)
-        with T.sblock("root"):
-            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
-            T.writes(C[0:lanes])
-            for i in range(lanes):
-                C[i] = C[i] + 2 * (high(A, B, i, 0) + high(A, B, i, 1)) \
-                    + word(lambda e: T.bitwise_and(u(A[e]), 1), B, i, 0) \
-                    + word(lambda e: T.bitwise_and(u(A[e]), 1), B, i, 1)
-    return twin
-
-
-def _maddubs7_twin(lanes, src):
-    """What ``_maddubs7_impl``'s instructions compute: word k of lane i is
-    SaturateToSignedWord(u[2k] y[i, 2k] + u[2k + 1] y[i, 2k + 1]) with u the source byte as u8
-    (s8 + 128), less (wrapping) the same of a broadcast 128 for an s8 source; ``vpmaddwd`` by 1
-    adds the two words. The saturation is written out: weights outside [-64, 64] would meet it."""
-    signed = src == "int8"
-
-    def sat16(x):
-        return T.max(T.min(x, 32767), -32768)
-
-    def wrap16(x):
-        return T.bitwise_and(x + 32768, 0xFFFF) - 32768
-
-    def word(u, B, i, k):
-        return sat16(u(2 * k) * T.Cast("int32", B[i, 2 * k])
-                     + u(2 * k + 1) * T.Cast("int32", B[i, 2 * k + 1]))
-
-    def pair(A, B, i, k):
-        w = word(lambda e: T.Cast("int32", A[e]) + (128 if signed else 0), B, i, k)
+    def whole(A, B, i, k):
+        w = word(lambda e: u(A[e]), B, i, k)
         return wrap16(w - word(lambda e: 128, B, i, k)) if signed else w
 
+    def dot(A, B, i):
+        if seven_bit:
+            return whole(A, B, i, 0) + whole(A, B, i, 1)
+        return 2 * (high(A, B, i, 0) + high(A, B, i, 1)) \
+            + word(lambda e: T.bitwise_and(u(A[e]), 1), B, i, 0) \
+            + word(lambda e: T.bitwise_and(u(A[e]), 1), B, i, 1)
+
     @T.prim_func(s_tir=True)
     def twin(a: T.handle, b: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (4,), src, offset_factor=1, align=1)
@@ -407,7 +358,7 @@ def _maddubs7_twin(lanes, src):
             T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
             T.writes(C[0:lanes])
             for i in range(lanes):
-                C[i] = C[i] + pair(A, B, i, 0) + pair(A, B, i, 1)
+                C[i] = C[i] + dot(A, B, i)
     return twin
 
 
@@ -480,8 +431,9 @@ _MAKERS = {VNNI: (_vnni_desc, _vnni_impl, _vnni_twin, "uint8"),
                       functools.partial(_maddubs_twin, lanes), src)
               for name_, lanes, src in ((MADDUBS, 8, "uint8"), (MADDUBS_S8, 8, "int8"),
                                         (MADDUBS_16, 16, "uint8"), (MADDUBS_S8_16, 16, "int8"))},
-           **{name_: (functools.partial(dot_desc, lanes), functools.partial(_maddubs7_impl, lanes),
-                      functools.partial(_maddubs7_twin, lanes), src)
+           **{name_: (functools.partial(dot_desc, lanes),
+                      functools.partial(_maddubs_impl, lanes, seven_bit=True),
+                      functools.partial(_maddubs_twin, lanes, seven_bit=True), src)
               for name_, lanes, src in ((MADDUBS7, 8, "uint8"), (MADDUBS7_S8, 8, "int8"),
                                         (MADDUBS7_16, 16, "uint8"), (MADDUBS7_S8_16, 16, "int8"))},
            AMX_INT8: (_amx_desc, _amx_impl, _amx_twin, "uint8"),
