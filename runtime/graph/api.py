@@ -347,8 +347,8 @@ class Graph:
         given = [k for k, v in attrs.items() if v != QUANT_DEFAULTS[k]]
         if not integer:
             if scale is not None or given:
-                raise ArgumentError(f"{op}: scale= and {', '.join(QUANT_DEFAULTS)} need a "
-                                    f"uint8/int8 source; got {self._types[self._var(x)][1]}")
+                raise ArgumentError(f"{op}: scale= and {', '.join(attrs)} need a uint8/int8 "
+                                    f"source; got {self._types[self._var(x)][1]}")
             return None
         if scale is None:
             raise ArgumentError(f"{op}: an integer source needs scale= (float32, (K,) per "
