@@ -29,6 +29,7 @@ nest) in float32; anything else is register_tiled's.
 
 from __future__ import annotations
 
+import tvm_ffi
 from tvm import s_tir, tirx
 
 from blockpad.vocabulary import ACC, DST
@@ -163,7 +164,23 @@ def _schedule(func, target, mr, rows):
             spatial_parallel_vectorize(sch, block, target)
     except s_tir.ScheduleError:
         return None
-    return sch
+    return sch if _vector_extents_constant(sch) else None
+
+
+def _vector_extents_constant(sch) -> bool:
+    """Whether every vectorized loop has a constant extent. Where the source's channels do
+    not follow the destination's blocks one to one (a channel multiplier: 14 outputs of 2
+    groups, ``nhwC16c`` into ``nChw4c``), the staged source's rows at a task span a varying
+    number of channels, and LLVM cannot vectorize that loop (blockpad check seed 20261130
+    case 37 failed to build); the next rule takes such a nest."""
+    extents = []
+
+    def visit(loop):
+        if loop.kind == tirx.ForKind.VECTORIZED:
+            extents.append(loop.extent)
+        return loop
+    tvm_ffi.structural_map(sch.mod["main"].body, (tirx.For, visit))
+    return all(isinstance(e, tirx.IntImm) for e in extents)
 
 
 RULES = [Depthwise()]

@@ -130,6 +130,31 @@ def test_depthwise_rule_leaves_other_convolutions(entry):
     assert Depthwise().apply(_kernels(entry)[0].func, get_target("host")) is None
 
 
+# a channel multiplier (2 groups of 7 outputs) between a channels-last blocked source and a
+# 4-channel-blocked destination: the staged rows span a varying number of channels per task,
+# a loop LLVM cannot vectorize (blockpad check seed 20261130 case 37 failed to build)
+MULTIPLIER = {"op": "conv2d", "shape": [1, 2, 9, 5], "channels": 14, "groups": 2,
+              "kernel": [5, 3], "stride": [1, 3], "pad": [5, 0], "dilation": [2, 2],
+              "src": "nhwC16c", "weights": "Goihw8g", "dst": "nChw4c", "post_ops": []}
+
+
+def test_a_nest_the_depthwise_rule_cannot_vectorize_goes_to_the_next_rule(tmp_path, rng):
+    """The rule declines (no vectorized loop of varying extent), the next rule builds it, and
+    the result equals numpy's."""
+    assert Depthwise().apply(_kernels(MULTIPLIER)[0].func, get_target("host")) is None
+    bp.build(parse_spec({"kernel": [{**MULTIPLIER, "name": "k"}]}), "host", tmp_path,
+             log=lambda m: None)
+    kernel = bp.load(tmp_path)["k"]
+    arrays = inputs(kernel, rng)
+    mems = [bp.Memory.from_numpy(arrays[name], lay)
+            for name, _, lay, _ in kernel.signature.args[:-1]]
+    dst = kernel.signature.args[-1][2]
+    out = bp.Memory(dst, np.full(dst.alloc_len, np.nan, np.float32))
+    kernel(*mems, out)
+    np.testing.assert_allclose(out.to_numpy(), reference(MULTIPLIER, arrays), rtol=1e-5,
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["s2", "batch_5x5"])
 def test_depthwise_space_variants_all_compute_the_same(case, rng):
     """Every variant of the tuning space (tile widths, rows per task) is a complete schedule

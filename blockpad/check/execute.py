@@ -35,7 +35,7 @@ import numpy as np
 
 from blockpad.layout import numpy_dtype
 from blockpad.runtime.memory import aligned_empty, nonzero_padding
-from blockpad.vocabulary import CLEAN_AFTER_CALL
+from blockpad.vocabulary import CLEAN_AFTER_CALL, SEVEN_BIT_RANGE
 
 from .reference import reference
 
@@ -149,7 +149,8 @@ def runner(lib_dir, target):
 
 def source_values(name, layout, sig, rng) -> np.ndarray:
     """Random logical values: full-range integers (s8 -128..127, u8 0..255: a shifted or
-    compensated dot product must hold at the extremes), normal floats; dot-product weights and
+    compensated dot product must hold at the extremes; the weights of a ``weight_bits = 7``
+    kernel -64..64), normal floats; dot-product weights and
     scales shrink with the sum's length so post-ops (exp) see values of order one."""
     dt = numpy_dtype(layout.dtype)
     terms = _dot_terms(sig)
@@ -158,6 +159,8 @@ def source_values(name, layout, sig, rng) -> np.ndarray:
     if dt.kind in "iu":
         info = np.iinfo(dt)
         lo, hi = (info.min, info.max) if dt.itemsize == 1 else (-100, 100)
+        if name == "weights" and sig.params.get("weight_bits", 8) == 7:
+            lo, hi = SEVEN_BIT_RANGE     # the promise the kernel was built with, both ends
         return rng.integers(lo, hi + 1, layout.shape).astype(dt)
     x = rng.standard_normal(layout.shape)
     if name == "weights":
