@@ -215,15 +215,21 @@ class Kernel:
         return f"<blockpad kernel {self.signature!r}>"
 
 
+def fits_seven_bit(weights) -> bool:
+    """Every value in [-64, 64] (``weight_bits = 7``)."""
+    lo, hi = SEVEN_BIT_RANGE
+    return weights.size == 0 or (int(weights.min()) >= lo and int(weights.max()) <= hi)
+
+
 def check_seven_bit(weights, what) -> None:
     """A ``weight_bits = 7`` kernel's promise: every weight (and the padding, which the kernel
     reads as zeros) lies in [-64, 64]. One pass over the weights, a small part of the
     convolution's work; ``bind`` checks once, as it checks everything else."""
-    lo, hi = int(weights.min(initial=0)), int(weights.max(initial=0))
-    if lo < SEVEN_BIT_RANGE[0] or hi > SEVEN_BIT_RANGE[1]:
+    if not fits_seven_bit(weights):
         raise ArgumentError(f"{what}: the kernel was built with weight_bits = 7 (every weight in "
-                            f"[-64, 64]); got weights in [{lo}, {hi}] (rebuild with "
-                            f"weight_bits = 8 for full-range int8 weights)")
+                            f"[-64, 64]); got weights in [{int(weights.min())}, "
+                            f"{int(weights.max())}] (rebuild with weight_bits = 8 for "
+                            f"full-range int8 weights)")
 
 
 class BoundCall:

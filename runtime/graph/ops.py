@@ -393,11 +393,18 @@ def quant_types(node, types, channels) -> str:
     return q.get("dst_dtype") or "float32"
 
 
-def quant_params(node) -> dict:
+def quant_params(node, graph) -> dict:
     """The node's quantization attributes as a kernel request names them: those that differ
-    from their defaults (what a kernel's manifest entry records)."""
-    q = node.attrs.get("quant") or {}
-    return {k: v for k, v in q.items() if v != QUANT_DEFAULTS[k]}
+    from their defaults (what a kernel's manifest entry records), and ``weight_bits = 7``
+    where the node's weights (input 1) are a constant in [-64, 64] (one ``vpmaddubsw`` a
+    step on x86 without VNNI; ``WeightCache.seven_bit``)."""
+    q = node.attrs.get("quant")
+    if q is None:
+        return {}
+    out = {k: v for k, v in q.items() if v != QUANT_DEFAULTS[k]}
+    if graph.weight_cache.seven_bit(node.inputs[1]):
+        out["weight_bits"] = 7
+    return out
 
 
 def requantize_ref(node, acc, scale, axis=1):
@@ -495,9 +502,7 @@ class Conv2d(OpInfo):
         params = {"channels": int(w[0]), "kernel": list(w[2:]), "stride": list(a["stride"]),
                   "pad": pad_sides_param(a["pad"]), "dilation": list(a["dilation"]),
                   "groups": int(a["groups"]), "post_ops": [dict(p) for p in a["post_ops"]],
-                  **quant_params(node)}
-        if q is not None and graph.weight_cache.seven_bit(node.inputs[1]):
-            params["weight_bits"] = 7   # constant weights in [-64, 64]: one vpmaddubsw a step
+                  **quant_params(node, graph)}
         if tile is not None:
             params.update(algorithm="winograd", winograd_tile=tile)
         return Request.make("conv2d", list(zip(names, lays)), params, graph.policy, shape=src,
@@ -681,9 +686,8 @@ class Matmul(OpInfo):
             post_op_inputs(node.attrs) + ["dst"]
         args = [("in", i) for i in range(len(types))] + [("out", 0)]
         out = []
-        params = {"n": int(w[1]), "post_ops": node.attrs["post_ops"], **quant_params(node)}
-        if q is not None and graph.weight_cache.seven_bit(node.inputs[1]):
-            params["weight_bits"] = 7
+        params = {"n": int(w[1]), "post_ops": node.attrs["post_ops"],
+                  **quant_params(node, graph)}
         packed = "BA16b4a" if wdt == "int8" else "Ba16b"
         for wtag in ([] if graph.layouts == "plain" else [packed]) + ["ab"]:
             lays = [plain(src, dt), Layout(wtag, w, wdt)] + \

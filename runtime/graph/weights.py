@@ -22,8 +22,8 @@ import numpy as np
 from blockpad import winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, numpy_dtype
-from blockpad.vocabulary import SEVEN_BIT_RANGE
 
+from ..library import fits_seven_bit
 from ..memory import Memory, aligned_empty
 from .kernels import MemoryRuntime, reorder, reorder_request, winograd_weights
 
@@ -162,12 +162,6 @@ class WeightCache:
             report.weight_reorders += 1
         if self.mode == "check":
             self._kept[name] = _raw(src).copy()
-
-
-def fits_seven_bit(array) -> bool:
-    """Every value in [-64, 64] (``weight_bits = 7``)."""
-    lo, hi = SEVEN_BIT_RANGE
-    return array.size == 0 or (int(array.min()) >= lo and int(array.max()) <= hi)
 
 
 def _weight_source(layout: Layout) -> Layout:
