@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("check", help="build and run random kernel specs against numpy "
                        "(benchdnn-like): guard regions, NaN destinations, dirty padding")
     p.add_argument("--target", default="host", help="target whose kernels run here: host, "
-                   "avx512 (where the CPU has it), neon / neon-dotprod (under qemu-aarch64)")
+                   "avx512 (where the CPU has it), neon / neon-dotprod (under qemu-aarch64), "
+                   "cuda-sm80 / cuda-sm90 (on a GPU, or --build-only here)")
     p.add_argument("--cases", type=int, default=100, help="how many random cases")
     p.add_argument("--seed", type=int, default=0, help="the cases are a function of the seed")
     p.add_argument("--case", type=int, default=None, metavar="K",
@@ -97,6 +98,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="check-failures", help="folder for failing cases' specs")
     p.add_argument("--work", default=None, help="keep the built libraries here (default: a "
                    "temporary folder, removed)")
+    p.add_argument("--build-only", action="store_true", help="build into --work DIR with a "
+                   "plan, run nothing: for a target this machine cannot run (a GPU)")
+    p.add_argument("--run-built", metavar="DIR", default=None, help="run what --build-only "
+                   "built into DIR (on the machine that has the target)")
     p.set_defaults(run=_check)
 
     args = parser.parse_args(argv)
@@ -158,8 +163,10 @@ def _info(args):
 
 
 def _check(args):
-    from .check import check, generate
+    from .check import check, generate, run_built
 
+    if args.run_built:
+        return 1 if run_built(args.run_built, args.out).failed else 0
     ops = generate.CHECKED_OPS
     if args.ops:
         ops = tuple(o.strip() for o in args.ops.split(","))
@@ -168,7 +175,7 @@ def _check(args):
             raise BlockpadError(f"--ops: expected some of {', '.join(generate.CHECKED_OPS)}; got "
                                 f"{', '.join(unknown)}")
     summary = check(args.target, args.cases, args.seed, ops, args.case, args.batch, args.out,
-                    args.work, spec=args.spec, shrink=args.shrink)
+                    args.work, spec=args.spec, shrink=args.shrink, build_only=args.build_only)
     return 1 if summary.failed else 0
 
 

@@ -427,9 +427,10 @@ def _as_gpu_tensor(value, where, role, layout: Layout, storage):
                             f"CUDA device memory; got one on "
                             f"{_DLPACK_DEVICES.get(kind, f'DLPack device type {kind}')}")
     tensor = tvm_ffi.from_dlpack(value, require_alignment=0, require_contiguous=False)
-    if str(tensor.dtype) != layout.dtype:
-        raise ArgumentError(f"{where}: expected dtype {layout.dtype}; got {tensor.dtype}")
-    if storage != layout.dtype:
+    if str(tensor.dtype) not in (layout.dtype, storage):
+        bits = f" (as its {storage} bits)" if storage != layout.dtype else ""
+        raise ArgumentError(f"{where}: expected dtype {layout.dtype}{bits}; got {tensor.dtype}")
+    if str(tensor.dtype) != storage:
         raise ArgumentError(f"{where}: this kernel moves {layout.dtype} as {storage}; pass a "
                             f"{storage} view of the tensor (torch: .view(torch.{storage}))")
     shape = tuple(tensor.shape)

@@ -9,7 +9,7 @@ Per block, in order:
 
 * ``max``: each lane reduces its strided share of the row, then the lanes combine
   (``threadIdx.x`` on the reduction loop: TVM's cross-thread all-reduce, warp shuffles), into
-  shared memory;
+  a register of every lane of the row;
 * ``exp``: computed once per element into shared memory (a ``ty x`` row-length tile); where
   the tile would not fit, or the destination is laid out unlike the source, ``exp`` is
   recomputed in ``sum`` and ``dst`` instead (two exps per element; log-softmax never keeps
@@ -84,14 +84,17 @@ def _softmax(sch):
     sch.compute_at(norm, ax)
     for name in (SUM, EXP, MAX):
         if _has_block(sch, name):
-            _row_stage(sch, sch.get_sblock(name), bx, lanes)
+            _row_stage(sch, sch.get_sblock(name), bx, lanes, "shared" if name == EXP else "local")
 
 
-def _row_stage(sch, block, bx, lanes):
-    """A stage computed per block of rows into shared memory: its row loops on
-    ``threadIdx.y``; its loop along the axis (a reduction's or ``exp``'s) split over the lanes
-    (``threadIdx.x``)."""
-    sch.set_scope(block, 0, "shared")
+def _row_stage(sch, block, bx, lanes, scope):
+    """A stage computed per block of rows: its row loops on ``threadIdx.y``; its loop along
+    the axis (a reduction's or ``exp``'s) split over the lanes (``threadIdx.x``). ``exp``
+    goes to shared memory (each lane reads others' elements); a row statistic to registers:
+    the all-reduce leaves it in every lane of the row. In shared memory TVM's all-reduce has
+    lane 0 store it, and no barrier came between that store and the other lanes' loads (seen
+    on an H100: softmax rows of garbage, NaN and inf)."""
+    sch.set_scope(block, 0, scope)
     sch.compute_at(block, bx, preserve_unit_loops=True)
     depth = loop_depth(sch, block, bx)
     loops = sch.get_loops(block)[depth:]

@@ -6,6 +6,7 @@ without losing the rest of its batch, and a failure's spec reads back and builds
 from __future__ import annotations
 
 import ctypes
+import json
 import sys
 import tomllib
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import blockpad as bp
+from blockpad import machine
 from blockpad.check import driver, execute, generate, replay, shrink
 from blockpad.cli import main
 from blockpad.codegen.spec import parse_spec
@@ -363,5 +365,35 @@ def test_a_target_this_machine_cannot_run_is_refused_before_building():
         pytest.skip("this CPU runs AMX code: nothing to refuse")
     with pytest.raises(bp.MissingCPUFeatureError, match="target amx: this CPU lacks"):
         driver.check("amx", cases=1, log=lambda m: None)
-    with pytest.raises(bp.BlockpadError, match="blockpad check runs CPU targets"):
+
+
+@pytest.mark.skipif(machine.cuda_devices(), reason="this machine has a CUDA device")
+def test_a_gpu_target_without_a_gpu_is_refused_before_building(tmp_path):
+    with pytest.raises(bp.BlockpadError, match="compute capability 8.0 or later, which this "
+                       "machine lacks. Build here with --build-only"):
         driver.check("cuda-sm80", cases=1, log=lambda m: None)
+    with pytest.raises(bp.BlockpadError, match="needs --work DIR"):
+        driver.check("cuda-sm80", cases=1, build_only=True, log=lambda m: None)
+    with pytest.raises(bp.BlockpadError, match="no readable check-plan.json"):
+        driver.run_built(str(tmp_path), log=lambda m: None)
+
+
+def test_cuda_cases_draw_the_policies_and_layouts_a_gpu_library_takes():
+    """A GPU library keeps no padding state and takes dense tensors: its cases draw dst_fused
+    and dst_stage only, and no layout with gaps between dims."""
+    drawn = [generate.case(3, k, "cuda-sm90") for k in range(300)]
+    assert {e["policy"] for e in drawn if "policy" in e} == {"dst_fused", "dst_stage"}
+    assert not any("strides" in json.dumps(e) for e in drawn)
+    assert any("strides" in json.dumps(generate.case(3, k, "host")) for k in range(300))
+
+
+def test_build_only_then_run_built_checks_the_same_cases(tmp_path):
+    """What a GPU host does with cases built elsewhere, on this machine's own target."""
+    lines = []
+    built = driver.check("host", cases=3, seed=7, ops=("eltwise", "reorder"), work=str(tmp_path),
+                         build_only=True, log=lines.append)
+    assert built.checked == built.failed    # only build failures are counted at build time
+    assert (tmp_path / driver.PLAN).is_file()
+    assert f"blockpad check --run-built {tmp_path}" in lines[-1]
+    ran = driver.run_built(str(tmp_path), out=str(tmp_path / "failures"), log=lines.append)
+    assert ran.counts["ok"] == 3, lines

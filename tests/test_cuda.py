@@ -40,6 +40,8 @@ SPEC = {"library": {"name": "cuda-test"}, "kernel": [
      "algorithm": "sigmoid", "policy": "dst_fused"},
     {"name": "relu_fused", "op": "eltwise", "shape": SHAPE, "src": "nChw16c", "dst": "nChw16c",
      "algorithm": "relu", "policy": "dst_fused"},
+    {"name": "tanh_fused", "op": "eltwise", "shape": SHAPE, "src": "nChw16c", "dst": "nChw16c",
+     "algorithm": "tanh", "policy": "dst_fused"},
     {"name": "sigmoid_stage", "op": "eltwise", "shape": SHAPE, "src": "nChw16c", "dst": "nChw16c",
      "algorithm": "sigmoid", "policy": "dst_stage"},
     {"name": "relu_stage", "op": "eltwise", "shape": SHAPE, "src": "nChw16c", "dst": "nChw16c",
@@ -147,6 +149,19 @@ def test_every_stage_is_bound_and_predicates_survive(cuda_lib):
     assert "T.where(" in (src / "zero_pad_halo.tir.py").read_text()
     fused = (src / "sigmoid_fused.tir.py").read_text()
     assert "T.Select(" in fused                            # sigmoid(0) != 0: padding selected 0
+
+
+def test_device_code_is_compiled_with_ieee_math(cuda_lib):
+    """No ``--use_fast_math`` (TVM's default): on an H100 its ``tanh.approx`` put tanh 1e-5
+    from float64, over the checker's bound. IEEE ``tanhf`` and ``1 / x`` instead (CUDA's
+    accurate functions use ``ex2.approx`` inside, with their own range reduction)."""
+    from blockpad.generated import show
+
+    name, cc, out = cuda_lib
+    assert "tanh.approx" not in show(out, "ptx", "tanh_fused")
+    sigmoid = show(out, "ptx", "sigmoid_fused")
+    assert re.search(r"(rcp|div)\.rn\.f32", sigmoid) and "div.approx" not in sigmoid
+    assert "div.full" not in sigmoid
 
 
 def test_inspect_shows_cuda_and_ptx(cuda_lib):
@@ -585,7 +600,8 @@ def test_conv_tiles_through_shared_memory(ops_lib):
 
 def test_softmax_reduces_across_threads(ops_lib):
     """A block of rows per thread block; each row's max and sum reduced across its lanes (warp
-    shuffles), computed once per row, not per element; one kernel."""
+    shuffles) into every lane's registers, computed once per row, not per element; one
+    kernel."""
     cc, out = ops_lib
     for name in (n for n in OPS if "softmax" in n):
         ptx = kernel_ptx(out, name)
@@ -595,6 +611,9 @@ def test_softmax_reduces_across_threads(ops_lib):
         for stat in ("max", "sum"):   # the row reduction's inner loop is the lanes
             block = tir.split(f'T.sblock("{stat}")')[0].rsplit("for ", 3)
             assert 'thread="threadIdx.x"' in "".join(block[-2:]), (name, stat)
+            # in each lane's registers: in shared memory lane 0 stored it and the other lanes
+            # read it with no barrier between (wrong rows on an H100)
+            assert f"{stat}_local" in tir and f"{stat}_shared" not in tir, (name, stat)
     assert "T.where(" in (out / "source" / "softmax_stage.tir.py").read_text()
 
 
@@ -781,3 +800,16 @@ def test_gpu_kernels_refuse_host_memory_and_bad_tensors(gpu_library):
     with pytest.raises(bp.ArgumentError, match="policy 'tracked' keeps padding state"):
         k(FakeCudaTensor(shape), FakeCudaTensor(shape))
     assert not launches
+
+
+def test_a_bf16_gpu_kernel_takes_the_bits_and_names_them():
+    """A bf16 kernel moves uint16 bits: it takes a uint16 view of the tensor, and a bfloat16
+    tensor is refused with what to pass instead (not a message that contradicts itself)."""
+    from blockpad.runtime.library import _as_gpu_tensor
+
+    lay = bp.Layout("nChw16c", (1, 20, 3, 3), "bfloat16")
+    bits = FakeCudaTensor(lay.physical_shape, "uint16")
+    assert str(_as_gpu_tensor(bits, "k: argument 'src'", "in", lay, "uint16").dtype) == "uint16"
+    with pytest.raises(bp.ArgumentError, match=r"expected dtype bfloat16 \(as its uint16 "
+                                               r"bits\); got float32"):
+        _as_gpu_tensor(FakeCudaTensor(lay.physical_shape), "k", "in", lay, "uint16")

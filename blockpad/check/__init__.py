@@ -4,6 +4,6 @@ blockpad. ``generate`` draws cases from a seed, ``reference`` computes what they
 dirty padding where the contracts allow, ``driver`` batches the builds and reports, ``replay``
 writes what a failure needs to be reproduced."""
 
-from .driver import Summary, check
+from .driver import Summary, check, run_built
 
-__all__ = ["Summary", "check"]
+__all__ = ["Summary", "check", "run_built"]

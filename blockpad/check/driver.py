@@ -55,11 +55,17 @@ class Summary:
 
 def check(target: str, cases: int = 100, seed: int = 0, ops=generate.CHECKED_OPS, only=None,
           batch: int = 25, out: str = "check-failures", work: str | None = None,
-          log=print, spec: str | None = None, shrink: bool = False) -> Summary:
+          log=print, spec: str | None = None, shrink: bool = False,
+          build_only: bool = False) -> Summary:
     """Check ``cases`` random cases (or case ``only``) of ``seed`` on ``target``; with
     ``spec``, the kernels of that TOML spec instead (on random data drawn from ``seed``).
-    ``shrink``: simplify each failing case before writing its spec."""
-    _check_runnable(target)
+    ``shrink``: simplify each failing case before writing its spec. ``build_only``: build the
+    libraries into ``work`` with a plan of what to run (``PLAN``), to be run by ``run_built``
+    on a machine that has the target (a GPU host); only build failures are reported here."""
+    if build_only and work is None:
+        raise BlockpadError("blockpad check --build-only needs --work DIR: the folder the "
+                            "libraries and their plan are written to")
+    _check_target(target, runs_here=not build_only)
     ops = tuple(ops)
     if spec is not None:
         given = spec_cases(spec)
@@ -73,25 +79,66 @@ def check(target: str, cases: int = 100, seed: int = 0, ops=generate.CHECKED_OPS
     run = Run(target, seed, ops, spec, out, log,
               work or tempfile.mkdtemp(prefix="blockpad-check-"))
     log(f"blockpad check: target {target}, seed {seed}, {what} in batches of {batch}"
-        + ("" if spec else f" (ops: {', '.join(ops)})"))
+        + ("" if spec else f" (ops: {', '.join(ops)})") + (", build only" if build_only else ""))
     batches = [ks[i:i + batch] for i in range(0, len(ks), batch)]
+    plan = []
     try:
         for b, chunk in enumerate(batches):
             entries = {k: draw(k) for k in chunk}
             t0 = time.perf_counter()
-            results = run.cases(entries, f"batch{b}")
-            t1 = time.perf_counter()
-            for r in sorted(results, key=lambda r: r["case"]):
-                run.record(r, entries[r["case"]], shrink)
-            tally = {}
-            for r in results:
-                tally[r["status"]] = tally.get(r["status"], 0) + 1
-            log(f"batch {b + 1}/{len(batches)}: cases {chunk[0]}-{chunk[-1]} built and run in "
-                f"{t1 - t0:.1f} s: {', '.join(f'{n} {s}' for s, n in sorted(tally.items()))}"
-                f" | total {run.summary.checked}/{len(ks)}, {run.summary.failed} failed")
+            libs, results = run.build(entries, f"batch{b}")
+            if build_only:
+                plan += [{"dir": os.path.relpath(d, run.scratch), "cases": [[k, entries[k]]
+                                                                          for k in lib_ks]}
+                         for d, lib_ks in libs]
+            else:
+                results += run.execute(libs, entries)
+            run.report(b, len(batches), chunk, results, entries, shrink,
+                       time.perf_counter() - t0, len(ks), "built" if build_only else
+                       "built and run")
+        if build_only:
+            _write_plan(run, plan)
     finally:
         if work is None:
             shutil.rmtree(run.scratch, ignore_errors=True)
+    log(run.summary.line())
+    if build_only:
+        log(f"built {len(plan)} libraries in {run.scratch}; run them where {target} runs: "
+            f"blockpad check --run-built {run.scratch}")
+    return run.summary
+
+
+PLAN = "check-plan.json"   # what --build-only leaves for --run-built, beside the libraries
+
+
+def _write_plan(run, plan):
+    with open(os.path.join(run.scratch, PLAN), "w") as f:
+        json.dump({"target": run.target, "seed": run.seed, "ops": list(run.ops),
+                   "spec": run.spec, "libraries": plan}, f)
+
+
+def run_built(work: str, out: str = "check-failures", log=print) -> Summary:
+    """Run what ``check(..., build_only=True)`` built into ``work`` (the libraries and their
+    plan travel together: copy the folder to the machine that has the target) and report as
+    ``check`` does. Cases that failed to build were reported by the build."""
+    try:
+        with open(os.path.join(work, PLAN)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise BlockpadError(f"{work}: no readable {PLAN} ({e}); make one with blockpad check "
+                            f"--build-only --work {work}") from None
+    target = doc["target"]
+    _check_target(target, runs_here=True)
+    run = Run(target, doc["seed"], tuple(doc["ops"]), doc["spec"], out, log, work)
+    libs = [(os.path.join(work, lib["dir"]), {int(k): e for k, e in lib["cases"]})
+            for lib in doc["libraries"]]
+    log(f"blockpad check: target {target}, seed {doc['seed']}, running "
+        f"{sum(len(c) for _, c in libs)} built cases of {len(libs)} libraries from {work}")
+    for b, (lib_dir, entries) in enumerate(libs):
+        t0 = time.perf_counter()
+        results = run.execute([(lib_dir, list(entries))], entries)
+        run.report(b, len(libs), list(entries), results, entries, False,
+                   time.perf_counter() - t0, None, "run")
     log(run.summary.line())
     return run.summary
 
@@ -136,12 +183,34 @@ class Run:
         self.summary = Summary(target, seed)
         self.builds = 0
 
-    def cases(self, entries: dict, name: str) -> list:
-        """Build ``entries`` (split where the build fails) and run them: a result per case."""
-        libs, results = _build(self.target, entries, os.path.join(self.scratch, name))
+    def build(self, entries: dict, name: str) -> tuple[list, list]:
+        """Build ``entries``, split where the build fails: ``([(lib_dir, [k...])...], [result of
+        each case that failed to build])``."""
+        return _build(self.target, entries, os.path.join(self.scratch, name))
+
+    def execute(self, libs: list, entries: dict) -> list:
+        """Run the built ``libs``: a result per case."""
+        results = []
         for lib_dir, lib_ks in libs:
             results += _execute(lib_dir, self.target, self.seed, {k: entries[k] for k in lib_ks})
         return results
+
+    def cases(self, entries: dict, name: str) -> list:
+        """Build ``entries`` and run them: a result per case."""
+        libs, results = self.build(entries, name)
+        return results + self.execute(libs, entries)
+
+    def report(self, b, batches, chunk, results, entries, shrink, seconds, total, did):
+        """Record a batch's results and log its line."""
+        for r in sorted(results, key=lambda r: r["case"]):
+            self.record(r, entries[r["case"]], shrink)
+        tally = {}
+        for r in results:
+            tally[r["status"]] = tally.get(r["status"], 0) + 1
+        of = f"/{total}" if total is not None else ""
+        self.log(f"batch {b + 1}/{batches}: cases {chunk[0]}-{chunk[-1]} {did} in {seconds:.1f} s:"
+                 f" {', '.join(f'{n} {s}' for s, n in sorted(tally.items())) or 'nothing failed'}"
+                 f" | total {self.summary.checked}{of}, {self.summary.failed} failed")
 
     def record(self, r, entry, shrink):
         self.summary.counts[r["status"]] += 1
@@ -182,17 +251,28 @@ class Run:
         return shrink(entry, fails, valid, log=self.log)
 
 
-def _check_runnable(target: str) -> None:
-    """Refuse, before building anything, a target whose kernels cannot run here."""
+def _check_target(target: str, runs_here: bool) -> None:
+    """Refuse, before building anything, a target the checker cannot draw for, or (with
+    ``runs_here``) one whose kernels cannot run here."""
     from blockpad import machine
     from blockpad.codegen.targets import get_target
     from blockpad.testing import qemu
 
     t = get_target(target)                # an unknown target fails here, with the list
     if target not in generate.PROFILES:
-        raise BlockpadError(f"blockpad check runs CPU targets ({', '.join(generate.PROFILES)});"
+        raise BlockpadError(f"blockpad check draws kernels for {', '.join(generate.PROFILES)};"
                             f" got {target!r}")
-    if t.arch == machine.arch():
+    if not runs_here:
+        return
+    need = machine.gpu_requirement(t.features)
+    if need is not None:
+        devices = machine.cuda_devices()
+        if not devices or not any(d >= need for d in devices):
+            raise BlockpadError(f"target {target} runs on a GPU of compute capability "
+                                f"{need[0]}.{need[1]} or later, which this machine lacks. Build "
+                                f"here with --build-only --work DIR, then run blockpad check "
+                                f"--run-built DIR on a GPU host")
+    elif t.arch == machine.arch():
         missing = machine.missing_features(t.features)
         if missing:
             raise MissingCPUFeatureError(f"target {target}: this CPU lacks {', '.join(missing)};"

@@ -22,7 +22,11 @@ pattern. Around one call:
 On an aarch64 target the call runs under qemu-aarch64 (``blockpad.testing.qemu``), with the
 runtime's own padding steps (``runtime.padding``) around it. The harness runs the kernel on its
 own copies of the buffers, with guard bytes of its own around each and the inputs compared
-after the call: a store outside a buffer or into a source is reported from there."""
+after the call: a store outside a buffer or into a source is reported from there.
+
+On a CUDA target (``Device``) the whole guarded buffers travel to the GPU and back around a call
+through the public API on PyTorch tensors; judging is the same. Such libraries are usually built
+on one machine (``blockpad check --build-only``) and run on a GPU host (``--run-built``)."""
 
 from __future__ import annotations
 
@@ -50,6 +54,8 @@ CALL_PATHS = ("direct", "bound", "stream")
 class Native:
     """A library this machine runs: ``bp.load`` and ``Library.memory``."""
 
+    paths = CALL_PATHS
+
     def __init__(self, lib_dir):
         import blockpad as bp
 
@@ -61,7 +67,7 @@ class Native:
     def memory(self, sig, layout, buf, clean):
         return memory(sig, layout, buf, clean, self.lib)
 
-    def call(self, sig, mems, path="direct"):
+    def call(self, sig, args, mems, path="direct"):
         kernel = self.lib[sig.name]
         if path == "bound":
             kernel.bind(*mems)()
@@ -78,6 +84,8 @@ class Emulated:
     runtime's padding steps (``runtime.padding``, what ``Kernel.__call__`` does around the
     compiled function) run here, on the same memories."""
 
+    paths = CALL_PATHS    # drawn, as on a native target, though the harness makes every call
+
     def __init__(self, lib_dir):
         from blockpad import manifest as mf
         from blockpad.runtime.library import Signature
@@ -91,7 +99,7 @@ class Emulated:
     def memory(self, sig, layout, buf, clean):
         return memory(sig, layout, buf, clean, None)
 
-    def call(self, sig, mems, path="direct"):
+    def call(self, sig, args, mems, path="direct"):
         from blockpad.runtime import padding
         from blockpad.testing import qemu
 
@@ -112,6 +120,60 @@ class Emulated:
             raise
         for m in written:
             padding.after_call(contract, sources, m, None)
+
+
+class Device:
+    """A CUDA library on this machine's GPU, called through the public API on PyTorch tensors.
+    Each argument goes to device memory whole, guard regions included, and comes back whole
+    after the call, so the judging is the host's: guard bytes, untouched sources, values,
+    padding. A GPU library keeps no padding state (its policies, ``dst_fused`` and
+    ``dst_stage``, zero the destination's padding in the kernel or its stage): sources are
+    handed over clean, as the contract requires, and the destination's state after the call is
+    what the contract promises, which the padding check then verifies byte by byte."""
+
+    paths = ("direct",)   # a GPU kernel has no bound or streamed form
+
+    def __init__(self, lib_dir):
+        import torch   # noqa: F401 - the GPU tensors' maker; fails clearly where it is missing
+
+        import blockpad as bp
+
+        self.lib = bp.load(lib_dir)
+
+    def signature(self, name):
+        return self.lib.kernels[name]
+
+    def memory(self, sig, layout, buf, clean):
+        return memory(sig, layout, buf, clean, None)
+
+    def call(self, sig, args, mems, path="direct"):
+        import torch
+
+        from blockpad.runtime import padding
+
+        contract = sig.padding
+        sources = [m for m, a in zip(mems, sig.args) if a.role in ("in", "inout")]
+        padding.before_call(contract, [m for m in sources if m.layout.has_padding])
+        sent, tensors = [], []
+        for a, m, spec in zip(args, mems, sig.args):
+            host = a.whole.view(np.uint8).copy()
+            lo, hi = GUARD_BYTES, GUARD_BYTES + m.buffer.nbytes
+            host[lo:hi] = m.buffer.view(np.uint8)      # a cleaned copy of a read-only source
+            dev = torch.from_numpy(host).cuda()
+            sent.append((host, dev, lo, hi))
+            tensors.append(dev[lo:hi].view(getattr(torch, spec.storage))
+                           .reshape(m.layout.physical_shape))
+        self.lib[sig.name](*tensors)
+        torch.cuda.synchronize()
+        for a, spec, (host, dev, lo, hi) in zip(args, sig.args, sent):
+            back = dev.cpu().numpy()
+            whole = a.whole.view(np.uint8)
+            whole[:lo], whole[hi:] = back[:lo], back[hi:]
+            if spec.role != "in" or not np.array_equal(back[lo:hi], host[lo:hi]):
+                whole[lo:hi] = back[lo:hi]    # a source the kernel wrote shows as changed
+        for m, spec in zip(mems, sig.args):
+            if spec.role != "in":
+                padding.after_call(contract, sources, m, None)
 
 
 class Overrun(Exception):
@@ -140,7 +202,10 @@ def runner(lib_dir, target):
     from blockpad import machine
     from blockpad.codegen.targets import get_target
 
-    if get_target(target).arch != machine.arch():
+    t = get_target(target)
+    if t.family == "cuda":
+        return Device(lib_dir)
+    if t.arch != machine.arch():
         return Emulated(lib_dir)
     return Native(lib_dir)
 
@@ -229,9 +294,9 @@ def run_case(k: int, entry: dict, seed: int, call) -> dict:
         args.append(a)
         mems.append(mem)
     problems = []
-    path = str(rng.choice(CALL_PATHS))
+    path = str(rng.choice(call.paths))
     try:
-        call.call(sig, mems, path)
+        call.call(sig, args, mems, path)
     except Overrun as e:
         return {"case": k, "status": "wrong", "problems": [str(e)],
                 "guard_bytes": e.guard_bytes, "call": path}

@@ -29,7 +29,7 @@ import numpy as np
 
 from blockpad.errors import LayoutError
 from blockpad.layout import Layout
-from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS, POLICIES, post_op_tensors
+from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS, KERNEL_ZEROS, POLICIES, post_op_tensors
 
 CHECKED_OPS = ("reorder", "zero_pad", "eltwise", "binary", "conv2d", "matmul", "softmax", "pool")
 # how often each op is drawn: the dot-product ops have the most code paths (and post-ops)
@@ -45,11 +45,16 @@ GENERIC = "abcdef"
 
 class Profile:
     """What a target's kernels are drawn with: block sizes its vectors like, the dot-product
-    dtypes it computes (repeated: drawn that much more often)."""
+    dtypes it computes (repeated: drawn that much more often), the padding policies its
+    runtime honours and whether its arguments may have gaps between dims (``strides``): a GPU
+    library takes plain tensors without padding state, so only the policies whose kernels
+    zero the padding themselves, and dense layouts."""
 
-    def __init__(self, blocks, dot_dtypes):
+    def __init__(self, blocks, dot_dtypes, policies=POLICIES, strides=True):
         self.blocks = blocks
         self.dot_dtypes = dot_dtypes
+        self.policies = policies
+        self.strides = strides
 
 
 # a dot product's destination type by source type (float32 for the others: int8, bf16)
@@ -59,8 +64,9 @@ SUM_DT = {"float32": "int32", "int32": "float32", "int8": "uint8", "uint8": "int
 _DOT = ("float32", "float32", "float32", "int8", "uint8", "bfloat16", "float16", "float64")
 _X86 = Profile((4, 8, 16), _DOT)
 _ARM = Profile((4, 8), _DOT)
+_CUDA = Profile((4, 8, 16), _DOT, policies=KERNEL_ZEROS, strides=False)
 PROFILES = {"host": _X86, "avx512": _X86, "avx512-vnni": _X86, "amx": _X86, "neon": _ARM,
-            "neon-dotprod": _ARM}
+            "neon-dotprod": _ARM, "cuda-sm80": _CUDA, "cuda-sm90": _CUDA}
 
 
 def case(seed: int, k: int, target: str, ops=CHECKED_OPS) -> dict:
@@ -75,15 +81,17 @@ def case(seed: int, k: int, target: str, ops=CHECKED_OPS) -> dict:
 
 # ---- layouts ----------------------------------------------------------------------------------
 
-def layout(rng, letters: str, shape, dtype: str, blocks, *, block=None, halo=None,
-           strides=True, permute=True) -> dict | str:
+def layout(rng, letters: str, shape, dtype: str, prof: Profile, *, block=None, halo=None,
+           permute=True) -> dict | str:
     """A random layout of ``letters`` (the logical dims, in their family's order) for
     ``shape``: a tag string or a ``{tag, paddings | strides}`` table. ``block``: the dims that
     may be blocked, the first the usual one (``c`` of ``nChw16c``); ``halo``: the dims that
-    may take a halo (default any; ``""`` none)."""
+    may take a halo (default any; ``""`` none); ``prof``: the target's blocks and whether gaps
+    between dims may be drawn."""
     for _ in range(50):
         usual = block or letters[1] + letters[0] + letters[2:]    # b, as c of nchw
-        value = _draw_layout(rng, letters, shape, blocks, usual, halo, strides, permute)
+        value = _draw_layout(rng, letters, shape, prof.blocks, usual, halo, prof.strides,
+                             permute)
         try:
             _as_layout(value, shape, dtype)
         except LayoutError:
@@ -140,8 +148,8 @@ def _shape(rng, rank, most=9):
     return [int(rng.integers(1, most + 1)) for _ in range(rank)]
 
 
-def _policy(rng):
-    return str(rng.choice(POLICIES))
+def _policy(rng, prof):
+    return str(rng.choice(prof.policies))
 
 
 # ---- ops --------------------------------------------------------------------------------------
@@ -151,8 +159,8 @@ def _reorder(rng, prof):
     shape = _shape(rng, rank, 12)
     dtype = str(rng.choice(REORDER_DTYPES))
     letters = GENERIC[:rank]
-    return {"shape": shape, "dtype": dtype, "src": layout(rng, letters, shape, dtype, prof.blocks),
-            "dst": layout(rng, letters, shape, dtype, prof.blocks)}
+    return {"shape": shape, "dtype": dtype, "src": layout(rng, letters, shape, dtype, prof),
+            "dst": layout(rng, letters, shape, dtype, prof)}
 
 
 def _zero_pad(rng, prof):
@@ -160,7 +168,7 @@ def _zero_pad(rng, prof):
     shape = _shape(rng, rank, 12)
     dtype = str(rng.choice(REORDER_DTYPES))
     return {"shape": shape, "dtype": dtype,
-            "layout": layout(rng, GENERIC[:rank], shape, dtype, prof.blocks)}
+            "layout": layout(rng, GENERIC[:rank], shape, dtype, prof)}
 
 
 def _eltwise_params(rng):
@@ -189,9 +197,10 @@ def _eltwise(rng, prof):
     shape = _shape(rng, rank)
     dtype = str(rng.choice(ELTWISE_DTYPES))
     letters = GENERIC[:rank]
-    entry = {"shape": shape, "dtype": dtype, "policy": _policy(rng), **_eltwise_params(rng),
-             "src": layout(rng, letters, shape, dtype, prof.blocks),
-             "dst": layout(rng, letters, shape, dtype, prof.blocks)}
+    entry = {"shape": shape, "dtype": dtype, "policy": _policy(rng, prof),
+             **_eltwise_params(rng),
+             "src": layout(rng, letters, shape, dtype, prof),
+             "dst": layout(rng, letters, shape, dtype, prof)}
     return _inplace(rng, entry, "src")
 
 
@@ -204,11 +213,11 @@ def _binary(rng, prof):
     out = [max(a, b) for a, b in zip(shape0, shape1)]
     dtype = str(rng.choice(BINARY_DTYPES))
     letters = GENERIC[:rank]
-    entry = {"shape": shape0, "shape1": shape1, "dtype": dtype, "policy": _policy(rng),
+    entry = {"shape": shape0, "shape1": shape1, "dtype": dtype, "policy": _policy(rng, prof),
              "algorithm": str(rng.choice(["add", "mul"])),
-             "src0": layout(rng, letters, shape0, dtype, prof.blocks),
-             "src1": layout(rng, letters, shape1, dtype, prof.blocks),
-             "dst": layout(rng, letters, out, dtype, prof.blocks)}
+             "src0": layout(rng, letters, shape0, dtype, prof),
+             "src1": layout(rng, letters, shape1, dtype, prof),
+             "dst": layout(rng, letters, out, dtype, prof)}
     if shape0 == out:        # in place overwrites src0, so src0 must have dst's shape
         _inplace(rng, entry, "src0")
     return entry
@@ -218,10 +227,11 @@ def _softmax(rng, prof):
     rank = int(rng.integers(2, 6))
     shape = _shape(rng, rank)
     letters = GENERIC[:rank]
-    entry = {"shape": shape, "policy": _policy(rng), "axis": int(rng.integers(-rank, rank)),
+    entry = {"shape": shape, "policy": _policy(rng, prof),
+             "axis": int(rng.integers(-rank, rank)),
              "log": bool(rng.random() < 0.4),
-             "src": layout(rng, letters, shape, "float32", prof.blocks),
-             "dst": layout(rng, letters, shape, "float32", prof.blocks)}
+             "src": layout(rng, letters, shape, "float32", prof),
+             "dst": layout(rng, letters, shape, "float32", prof)}
     return _inplace(rng, entry, "src")
 
 
@@ -251,11 +261,12 @@ def _pool(rng, prof):
     kernel, stride, pad, dilation = _spatial(rng, *shape[2:])
     out = [shape[0], shape[1], *((n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
                                  zip(shape[2:], kernel, stride, pad, dilation))]
-    return {"shape": shape, "policy": _policy(rng), "algorithm": str(rng.choice(["max", "avg"])),
+    return {"shape": shape, "policy": _policy(rng, prof),
+            "algorithm": str(rng.choice(["max", "avg"])),
             "exclude_pad": bool(rng.random() < 0.5), "kernel": kernel, "stride": stride,
             "pad": pad, "dilation": dilation,
-            "src": layout(rng, "nchw", shape, "float32", prof.blocks, block="chw", halo="hw"),
-            "dst": layout(rng, "nchw", out, "float32", prof.blocks, block="chw", halo="hw")}
+            "src": layout(rng, "nchw", shape, "float32", prof, block="chw", halo="hw"),
+            "dst": layout(rng, "nchw", out, "float32", prof, block="chw", halo="hw")}
 
 
 def _post_ops(rng, dst_dtype):
@@ -291,7 +302,7 @@ def _dot_tensors(rng, entry, dst_letters, dst_shape, prof):
     nchw = dst_letters == "nchw"
 
     def draw():
-        return layout(rng, dst_letters, dst_shape, "float32", prof.blocks,
+        return layout(rng, dst_letters, dst_shape, "float32", prof,
                       block="chw" if nchw else "ba", halo="hw" if nchw else None)
 
     entry["dst"] = draw()
@@ -327,11 +338,11 @@ def _conv2d(rng, prof):
         wblock = "g" if c == groups else "io"
     entry = {"shape": [n, c, h, w], "dtype": dtype, "channels": k, "groups": groups,
              "kernel": kernel, "stride": stride, "pad": pad, "dilation": dilation,
-             "spatial_pad": str(rng.choice(["fused", "stage"])), "policy": _policy(rng),
+             "spatial_pad": str(rng.choice(["fused", "stage"])), "policy": _policy(rng, prof),
              "post_ops": _post_ops(rng, DST_TYPES.get(dtype, "float32")),
-             "src": layout(rng, "nchw", [n, c, h, w], dtype, prof.blocks, block="chw",
+             "src": layout(rng, "nchw", [n, c, h, w], dtype, prof, block="chw",
                            halo="hw"),
-             "weights": layout(rng, wletters, wshape, wdtype, prof.blocks, block=wblock,
+             "weights": layout(rng, wletters, wshape, wdtype, prof, block=wblock,
                                halo="", permute=False)}
     return _quant(rng, _dot_tensors(rng, entry, "nchw", [n, k, *out], prof))
 
@@ -369,10 +380,10 @@ def _matmul(rng, prof):
     dtype = str(rng.choice(prof.dot_dtypes))
     m, kk, n = int(rng.integers(1, 18)), int(rng.integers(1, 71)), int(rng.integers(1, 41))
     wdtype = "int8" if dtype in ("int8", "uint8") else dtype
-    entry = {"shape": [m, kk], "dtype": dtype, "n": n, "policy": _policy(rng),
+    entry = {"shape": [m, kk], "dtype": dtype, "n": n, "policy": _policy(rng, prof),
              "post_ops": _post_ops(rng, DST_TYPES.get(dtype, "float32")),
-             "src": layout(rng, "ab", [m, kk], dtype, prof.blocks, block="ba"),
-             "weights": layout(rng, "ab", [kk, n], wdtype, prof.blocks, block="ba", halo="")}
+             "src": layout(rng, "ab", [m, kk], dtype, prof, block="ba"),
+             "weights": layout(rng, "ab", [kk, n], wdtype, prof, block="ba", halo="")}
     return _quant(rng, _dot_tensors(rng, entry, "ab", [m, n], prof))
 
 
