@@ -9,7 +9,7 @@ Per block, in order:
 
 * ``max``: each lane reduces its strided share of the row, then the lanes combine
   (``threadIdx.x`` on the reduction loop: TVM's cross-thread all-reduce, warp shuffles), into
-  a register of every lane of the row;
+  shared memory, followed by a barrier of its own (``_barrier_after_statistics``);
 * ``exp``: computed once per element into shared memory (a ``ty x`` row-length tile); where
   the tile would not fit, or the destination is laid out unlike the source, ``exp`` is
   recomputed in ``sum`` and ``dst`` instead (two exps per element; log-softmax never keeps
@@ -30,6 +30,9 @@ from __future__ import annotations
 
 import math
 
+import tvm_ffi
+from tvm import s_tir, tirx
+
 from blockpad.vocabulary import ACC, DST, EXP, MAX, NORM, SUM
 
 from .cuda import THREADS, bind_spatial, loop_depth, pow2_above, predicated_schedule, uses
@@ -43,7 +46,8 @@ class Softmax(ScheduleRule):
     ops = ("softmax",)
 
     def schedule(self, func, target):
-        return predicated_schedule(func, _softmax)
+        sch = predicated_schedule(func, _softmax)
+        return None if sch is None else s_tir.Schedule(_barrier_after_statistics(sch.mod["main"]))
 
 
 class Pool(ScheduleRule):
@@ -84,17 +88,39 @@ def _softmax(sch):
     sch.compute_at(norm, ax)
     for name in (SUM, EXP, MAX):
         if _has_block(sch, name):
-            _row_stage(sch, sch.get_sblock(name), bx, lanes, "shared" if name == EXP else "local")
+            _row_stage(sch, sch.get_sblock(name), bx, lanes)
 
 
-def _row_stage(sch, block, bx, lanes, scope):
-    """A stage computed per block of rows: its row loops on ``threadIdx.y``; its loop along
-    the axis (a reduction's or ``exp``'s) split over the lanes (``threadIdx.x``). ``exp``
-    goes to shared memory (each lane reads others' elements); a row statistic to registers:
-    the all-reduce leaves it in every lane of the row. In shared memory TVM's all-reduce has
-    lane 0 store it, and no barrier came between that store and the other lanes' loads (seen
-    on an H100: softmax rows of garbage, NaN and inf)."""
-    sch.set_scope(block, 0, scope)
+def _barrier_after_statistics(func):
+    """A ``__syncthreads()`` after the loop nest of each row statistic. TVM's all-reduce has
+    lane 0 store a row's result to shared memory, and its barrier insertion misses that store
+    when the lanes that read it index it the same way (it takes the same index for the same
+    thread): on an H100 the other lanes read the row's old value (rows of garbage, NaN,
+    inf). Keeping the statistic in each lane's registers instead fails where a later stage
+    maps rows to threads differently (a halo in dst)."""
+    sync = tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
+
+    def statistic(stmt) -> bool:
+        names = []
+        tvm_ffi.structural_walk(stmt, (s_tir.SBlock, lambda b: names.append(b.name_hint)))
+        return MAX in names or SUM in names
+
+    def add(seq):
+        out = []
+        for st in seq.seq:
+            out.append(st)
+            if isinstance(st, tirx.For) and statistic(st):
+                out.append(sync)
+        return tirx.SeqStmt(out)
+
+    return tvm_ffi.structural_map(func, (tirx.SeqStmt, add))
+
+
+def _row_stage(sch, block, bx, lanes):
+    """A stage computed per block of rows into shared memory: its row loops on
+    ``threadIdx.y``; its loop along the axis (a reduction's or ``exp``'s) split over the lanes
+    (``threadIdx.x``)."""
+    sch.set_scope(block, 0, "shared")
     sch.compute_at(block, bx, preserve_unit_loops=True)
     depth = loop_depth(sch, block, bx)
     loops = sch.get_loops(block)[depth:]
