@@ -88,7 +88,7 @@ def _softmax(sch):
     sch.compute_at(norm, ax)
     for name in (SUM, EXP, MAX):
         if _has_block(sch, name):
-            _row_stage(sch, sch.get_sblock(name), bx, lanes)
+            _row_stage(sch, sch.get_sblock(name), bx, ty, lanes)
 
 
 def _barrier_after_statistics(func):
@@ -116,10 +116,13 @@ def _barrier_after_statistics(func):
     return tvm_ffi.structural_map(func, (tirx.SeqStmt, add))
 
 
-def _row_stage(sch, block, bx, lanes):
-    """A stage computed per block of rows into shared memory: its row loops on
-    ``threadIdx.y``; its loop along the axis (a reduction's or ``exp``'s) split over the lanes
-    (``threadIdx.x``)."""
+def _row_stage(sch, block, bx, ty, lanes):
+    """A stage computed per block of rows into shared memory: its row loops on ``ty``
+    threads of ``threadIdx.y`` (more rows than that, as a halo can make, loop), its loop
+    along the axis (a reduction's or ``exp``'s) split over the ``lanes`` of ``threadIdx.x``.
+    Every stage binds the same extents as ``dst``: a CUDA kernel has one block shape, and TVM
+    launches it with the extent of the first binding it meets, so a stage bound to more
+    threads than that lost rows (a halo in dst: padding left unwritten on an H100)."""
     sch.set_scope(block, 0, "shared")
     sch.compute_at(block, bx, preserve_unit_loops=True)
     depth = loop_depth(sch, block, bx)
@@ -133,9 +136,10 @@ def _row_stage(sch, block, bx, lanes):
     sch.reorder(*rows, *axis)
     y = sch.fuse(*rows) if len(rows) > 1 else rows[0]
     a = sch.fuse(*axis) if len(axis) > 1 else axis[0]
+    yo, yi = sch.split(y, [None, ty])
     _, x = sch.split(a, [None, lanes])
-    sch.reorder(y, x)
-    sch.bind(y, "threadIdx.y")
+    sch.reorder(yo, yi, x)
+    sch.bind(yi, "threadIdx.y")
     sch.bind(x, "threadIdx.x")
 
 
