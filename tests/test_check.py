@@ -106,8 +106,8 @@ class Faulty(execute.Native):
         super().__init__(lib_dir)
         self.fault = fault
 
-    def call(self, sig, mems, path):
-        super().call(sig, mems, path)
+    def call(self, sig, args, mems, path):
+        super().call(sig, args, mems, path)
         self.fault(*mems)
 
 
