@@ -23,7 +23,7 @@ from tvm import tirx
 from blockpad.errors import SpecError
 from blockpad.vocabulary import ELTWISE_DEFAULTS
 
-from .common import OpDef, Source, dtype_of, is_nan, materialize, nan_max, nan_min, plan_for
+from .common import OpDef, Source, dtype_of, is_nan, materialize, nan_max, nan_min, plan_for, round_clamped
 
 
 def _c(x, v):
@@ -50,8 +50,8 @@ ARITHMETIC = {"int8": "float32", "uint8": "float32", "int32": "float64",
 
 def in_arithmetic(fn, *xs):
     """``fn(*xs)`` for operands of one type: integers and float16 are widened to their
-    arithmetic type (``ARITHMETIC``); an integer result is rounded half to even (``nearbyint``:
-    one ``vroundps``) and saturated back, so no constant is truncated to the integer type and
+    arithmetic type (``ARITHMETIC``); an integer result is saturated and rounded half to even
+    (``common.round_clamped``), so no constant is truncated to the integer type and
     nothing wraps; a float16 result is rounded once to float16."""
     dtype = dtype_of(xs[0])
     wide = ARITHMETIC.get(dtype)
@@ -60,8 +60,8 @@ def in_arithmetic(fn, *xs):
     v = fn(*(x.astype(wide) for x in xs))
     if dtype.startswith("float"):
         return v.astype(dtype)
-    lo, hi = (tirx.const(f(dtype).value, wide) for f in (tirx.min_value, tirx.max_value))
-    return tirx.nearbyint(tirx.min(tirx.max(v, lo), hi)).astype(dtype)
+    lo, hi = (float(f(dtype).value) for f in (tirx.min_value, tirx.max_value))
+    return round_clamped(v, lo, hi).astype(dtype)
 
 
 def apply(algorithm: str, x, alpha=0.0, beta=0.0):

@@ -14,7 +14,7 @@
 oneDNN's per-tensor source scale has no attribute of its own: it folds into ``scale`` (a caller
 passes ``src_scale * wei_scale[k]``, one float32 product, as oneDNN's reference forms it), and
 ONNX's requantization multiplier ``x_scale * w_scale[k] / y_scale`` likewise (``dst_scale = 1``).
-``nearbyint`` rounds half to even (one ``vroundps``); the zero point is added to the rounded
+``nearbyint`` rounds half to even (``common.round_clamped``); the zero point is added to the rounded
 value (an integer), then the sum saturates to the destination's range; an int32 destination
 saturates at the float32 values nearest inside its range (2**31 - 128 is the largest float32
 below 2**31), as oneDNN's conversion does, the rounded value first (it is converted to int32
@@ -52,6 +52,8 @@ from tvm import te, tirx
 
 from blockpad.errors import SpecError
 from blockpad.vocabulary import QUANT_DEFAULTS, QUANT_DST_DTYPES, SCALES, WEIGHT_BITS
+
+from .common import round_clamped
 
 INTEGER = ("int8", "uint8")
 PARAMS = dict(QUANT_DEFAULTS)
@@ -154,9 +156,7 @@ class Requant:
         if self.dst == "float32":
             return v + tirx.const(float(self.dst_zp), "float32") if self.dst_zp else v
         lo, hi = saturation_bounds(self.dst, self.dst_zp)
-        r = tirx.min(tirx.max(tirx.nearbyint(v), tirx.const(lo, "float32")),
-                     tirx.const(hi, "float32"))
-        q = r.astype("int32")
+        q = round_clamped(v, float(lo), float(hi))
         if self.dst_zp:
             q = q + tirx.const(self.dst_zp, "int32")
         return q.astype(self.dst)

@@ -19,7 +19,7 @@ from tvm.tirx.op import fma
 from blockpad import qlinear
 from blockpad.errors import SpecError
 
-from .common import OpDef, Source, materialize, plan_for
+from .common import OpDef, Source, materialize, plan_for, round_clamped
 
 INTEGER = {"uint8": (0, 255), "int8": (-128, 127)}
 QUANTIZE_PARAMS = {"scale": 1.0, "zero_point": 0, "dst_dtype": "uint8"}
@@ -66,8 +66,8 @@ def make_quantize(layouts, name, policy, scale=1.0, zero_point=0, dst_dtype="uin
 
         def value(*i):
             v = x(*i) / _f32(scale)
-            v = tirx.min(tirx.max(v, _f32(lo - zero_point)), _f32(hi - zero_point))
-            return (tirx.nearbyint(v) + _f32(zero_point)).astype(dst.dtype)
+            q = round_clamped(v, float(lo - zero_point), float(hi - zero_point))
+            return (q + tirx.const(int(zero_point), "int32")).astype(dst.dtype)
 
         return OpDef("quantize", [x], value, params={"scale": scale, "zero_point": zero_point,
                                                      "dst_dtype": dst.dtype})
@@ -108,4 +108,4 @@ def add(a, b, scales, zero_points, dtype):
     lo, hi = INTEGER[dtype]
     t = fma(b.astype("float32"), _f32(r1), _f32(fixed))
     v = fma(a.astype("float32"), _f32(r0), t)
-    return tirx.nearbyint(tirx.min(tirx.max(v, _f32(lo)), _f32(hi))).astype(dtype)
+    return round_clamped(v, float(lo), float(hi)).astype(dtype)
