@@ -79,10 +79,32 @@ class Native:
             kernel(*mems)
 
 
-class Emulated:
-    """An aarch64 library on another machine: the kernel runs under qemu-aarch64; the
-    runtime's padding steps (``runtime.padding``, what ``Kernel.__call__`` does around the
-    compiled function) run here, on the same memories."""
+class _Elsewhere:
+    """A library whose kernels run away from the checker's memories (under qemu, on a GPU):
+    the runtime's padding steps (``runtime.padding``, what ``Kernel.__call__`` does around the
+    compiled function) run here, on the same memories, around ``run``."""
+
+    def signature(self, name):
+        return self.kernels[name]
+
+    def memory(self, sig, layout, buf, clean):
+        return memory(sig, layout, buf, clean, None)
+
+    def call(self, sig, args, mems, path="direct"):
+        from blockpad.runtime import padding
+
+        contract = sig.padding
+        sources = [m for m, a in zip(mems, sig.args) if a.role in ("in", "inout")]
+        padding.before_call(contract, [m for m in sources if m.layout.has_padding])
+        self.run(sig, args, mems)
+        for m, a in zip(mems, sig.args):
+            if a.role != "in":
+                padding.after_call(contract, sources, m, None)
+
+
+class Emulated(_Elsewhere):
+    """An aarch64 library on another machine: the kernel (and its ``dst_stage``) runs under
+    qemu-aarch64."""
 
     paths = CALL_PATHS    # drawn, as on a native target, though the harness makes every call
 
@@ -93,23 +115,12 @@ class Emulated:
         self.dir = lib_dir
         self.kernels = {r.name: Signature(r) for r in mf.kernel_records(mf.read(lib_dir))}
 
-    def signature(self, name):
-        return self.kernels[name]
-
-    def memory(self, sig, layout, buf, clean):
-        return memory(sig, layout, buf, clean, None)
-
-    def call(self, sig, args, mems, path="direct"):
-        from blockpad.runtime import padding
+    def run(self, sig, args, mems):
         from blockpad.testing import qemu
 
-        contract = sig.padding
-        sources = [m for m, a in zip(mems, sig.args) if a.role in ("in", "inout")]
-        padding.before_call(contract, [m for m in sources if m.layout.has_padding])
-        calls = [(sig.name, mems)]
-        stage = contract.get("dst_stage") if contract else None
-        written = [m for m, a in zip(mems, sig.args) if a.role != "in"]
-        calls += [(stage, [m]) for m in written if stage]
+        stage = sig.padding.get("dst_stage") if sig.padding else None
+        calls = [(sig.name, mems)] + [(stage, [m]) for m, a in zip(mems, sig.args)
+                                      if stage and a.role != "in"]
         try:
             qemu.run_many(self.dir, calls)
         except qemu.QemuRunError as e:
@@ -118,11 +129,9 @@ class Emulated:
             if m:
                 raise Overrun(str(e), int(m[1] or 0)) from None
             raise
-        for m in written:
-            padding.after_call(contract, sources, m, None)
 
 
-class Device:
+class Device(_Elsewhere):
     """A CUDA library on this machine's GPU, called through the public API on PyTorch tensors.
     Each argument goes to device memory whole, guard regions included, and comes back whole
     after the call, so the judging is the host's: guard bytes, untouched sources, values,
@@ -134,26 +143,16 @@ class Device:
     paths = ("direct",)   # a GPU kernel has no bound or streamed form
 
     def __init__(self, lib_dir):
-        import torch   # noqa: F401 - the GPU tensors' maker; fails clearly where it is missing
+        import torch  # noqa: F401 - the GPU tensors' maker; fails clearly where it is missing
 
         import blockpad as bp
 
         self.lib = bp.load(lib_dir)
+        self.kernels = self.lib.kernels
 
-    def signature(self, name):
-        return self.lib.kernels[name]
-
-    def memory(self, sig, layout, buf, clean):
-        return memory(sig, layout, buf, clean, None)
-
-    def call(self, sig, args, mems, path="direct"):
+    def run(self, sig, args, mems):
         import torch
 
-        from blockpad.runtime import padding
-
-        contract = sig.padding
-        sources = [m for m, a in zip(mems, sig.args) if a.role in ("in", "inout")]
-        padding.before_call(contract, [m for m in sources if m.layout.has_padding])
         sent, tensors = [], []
         for a, m, spec in zip(args, mems, sig.args):
             host = a.whole.view(np.uint8).copy()
@@ -171,9 +170,6 @@ class Device:
             whole[:lo], whole[hi:] = back[:lo], back[hi:]
             if spec.role != "in" or not np.array_equal(back[lo:hi], host[lo:hi]):
                 whole[lo:hi] = back[lo:hi]    # a source the kernel wrote shows as changed
-        for m, spec in zip(mems, sig.args):
-            if spec.role != "in":
-                padding.after_call(contract, sources, m, None)
 
 
 class Overrun(Exception):
