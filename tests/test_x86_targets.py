@@ -628,29 +628,34 @@ def test_isa_reports_the_built_libraries(vnni_dir, amx_dir):
     assert m["dot"] == 3 and m["tile_loads"] == 2 * 3 + 1, m
 
 
-def test_requantized_uint8_epilogue_is_vector_code(tmp_path, rng):
-    """A uint8 result's conversion (saturate, round half to even, zero point) stays vector
+@pytest.mark.parametrize("dst_dtype, zp", [("uint8", 120), ("int32", 0)])
+def test_requantized_epilogue_is_vector_code(tmp_path, rng, dst_dtype, zp):
+    """An integer result's conversion (saturate, round half to even, zero point) stays vector
     code: ``nearbyint`` there was scalarised by TVM (64 vroundss + vcvttss2si per register
-    tile: a 1x1 conv 64 -> 256 at 56x56 took 1.58 ms, 0.72 ms now). Exact against numpy."""
+    tile: a uint8 1x1 conv 64 -> 256 at 56x56 took 1.58 ms, 0.72 ms now). Exact against numpy,
+    uint8 (the magic-number rounding) and int32 (its sign-magnitude form, for |x| up to 2**31)."""
     spec = {"library": {"name": "requant"}, "kernel": [{
-        "name": "conv_u8_requant", "op": "conv2d", "dtype": "uint8", "shape": [1, 32, 6, 8],
+        "name": "conv_requant", "op": "conv2d", "dtype": "uint8", "shape": [1, 32, 6, 8],
         "channels": 48, "kernel": [1, 1], "src": "nChw16c", "weights": "OIhw4i16o4i",
-        "dst": "nChw16c", "weight_bits": 7, "scales": "channel", "dst_dtype": "uint8",
-        "dst_zero_point": 120, "post_ops": [{"kind": "bias", "dtype": "int32"}]}]}
+        "dst": "nChw16c", "weight_bits": 7, "scales": "channel", "dst_dtype": dst_dtype,
+        "dst_zero_point": zp, "post_ops": [{"kind": "bias", "dtype": "int32"}]}]}
     bp.build(spec, "host", tmp_path / "lib", log=lambda m: None)
-    code = kernel_instructions(asm_functions(tmp_path / "lib"), "conv_u8_requant")
+    code = kernel_instructions(asm_functions(tmp_path / "lib"), "conv_requant")
     for scalar in ("vroundss", "vcvttss2si", "vcvtsi2ss"):
         assert not _has(code, scalar), scalar
     lib = bp.load(tmp_path / "lib")
-    sig = lib.kernels["conv_u8_requant"]
+    sig = lib.kernels["conv_requant"]
     x = rng.integers(0, 256, (1, 32, 6, 8)).astype(np.uint8)
     w = rng.integers(-64, 65, (48, 32, 1, 1)).astype(np.int8)
-    scale = rng.uniform(1e-4, 3e-3, 48).astype(np.float32)
+    # uint8: a spread that saturates some; int32: large values, halves included
+    scale = (rng.uniform(1e-4, 3e-3, 48) if dst_dtype == "uint8" else
+             rng.choice([0.5, 1.5, 7.25], 48)).astype(np.float32)
     bias = rng.integers(-3000, 3000, 48).astype(np.int32)
     mems = [bp.Memory.from_numpy(v, a[2]) for v, a in zip((x, w, scale, bias), sig.args)]
     dst = bp.Memory.empty(sig.args[4][2])
-    lib["conv_u8_requant"](*mems, dst)
+    lib["conv_requant"](*mems, dst)
     acc = np.einsum("nchw,kc->nkhw", x.astype(np.int64), w[:, :, 0, 0].astype(np.int64))
     v = (acc + bias[None, :, None, None]).astype(np.float32) * scale[None, :, None, None]
-    want = np.clip(np.rint(v), -120, 135).astype(np.int32) + 120
-    np.testing.assert_array_equal(dst.to_numpy(), want.astype(np.uint8))
+    info = np.iinfo(dst_dtype)
+    want = np.clip(np.rint(v.astype(np.float64)), info.min - zp, info.max - zp) + zp
+    np.testing.assert_array_equal(dst.to_numpy(), want.astype(dst_dtype))

@@ -265,20 +265,29 @@ _ROUNDING_MAGIC = {"float32": (1.5 * 2 ** 23, 0x4B400000, "int32", 2 ** 22),
 
 def round_clamped(v, lo: float, hi: float):
     """``v`` saturated to ``[lo, hi]`` (integers) and rounded half to even, as an int32: the
-    integer results' conversion. Where the bounds allow, ``bits(x + M) - bits(M)`` with ``M =
-    1.5 * 2**23`` (float32; 2**52 for float64) is round-half-even of ``x`` for |x| <= 2**22:
-    one add and one integer subtract. Else ``nearbyint``, which TVM's vectoriser scalarises in
-    an unrolled register tile's epilogue (a uint8 1x1 convolution ran its requantization in
-    scalar ``vroundss``: 44 GOP/s where the float32 result took 92). The bits, not ``(x + M) -
-    M``: TVM's simplifier treats float arithmetic as exact and folds that into ``x``. Clamping
-    first and rounding after equals the other order: the bounds are integers."""
+    integer results' conversion, in vector instructions. Where the bounds allow, ``bits(x + M)
+    - bits(M)`` with ``M = 1.5 * 2**23`` (float32; 2**52 for float64) is round-half-even of
+    ``x`` for |x| <= 2**22: one add and one integer subtract. A float32 reaching further (an
+    int32 result) rounds its magnitude below 2**23 the same way (``bits(|x| + 2**23) -
+    bits(2**23)``) and takes the sign back; from 2**23 on a float32 is an integer already.
+    Never ``nearbyint``, which TVM's vectoriser scalarises in an unrolled register tile's
+    epilogue (a uint8 1x1 convolution ran its requantization in scalar ``vroundss``: 44 GOP/s
+    where the float32 result took 92); never ``(x + M) - M``, which TVM's simplifier, treating
+    float arithmetic as exact, folds into ``x``. Clamping first and rounding after equals the
+    other order: the bounds are integers."""
     dtype = dtype_of(v)
     x = tirx.min(tirx.max(v, tirx.const(lo, dtype)), tirx.const(hi, dtype))
-    magic, bits, itype, reach = _ROUNDING_MAGIC.get(dtype, (None, 0, "", 0))
-    if magic is None or max(abs(lo), abs(hi)) > reach:
-        return tirx.nearbyint(x).astype("int32")
-    n = tirx.reinterpret(itype, x + tirx.const(magic, dtype)) - tirx.const(bits, itype)
-    return n if itype == "int32" else n.astype("int32")
+    magic, bits, itype, reach = _ROUNDING_MAGIC[dtype]
+    if max(abs(lo), abs(hi)) <= reach:
+        n = tirx.reinterpret(itype, x + tirx.const(magic, dtype)) - tirx.const(bits, itype)
+        return n if itype == "int32" else n.astype("int32")
+    if dtype != "float32":
+        raise ValueError(f"round_clamped: no rounding for {dtype} beyond {reach}")
+    two23 = tirx.const(2.0 ** 23, "float32")
+    a = tirx.abs(x)
+    m = tirx.reinterpret("int32", a + two23) - tirx.const(0x4B000000, "int32")
+    small = tirx.Select(x < tirx.const(0.0, "float32"), -m, m)
+    return tirx.Select(a < two23, small, x.astype("int32"))
 
 
 def int_pair(op: str, value, what: str, least: int) -> tuple:
