@@ -101,10 +101,13 @@ def check(target: str, cases: int = 100, seed: int = 0, ops=generate.CHECKED_OPS
     finally:
         if work is None:
             shutil.rmtree(run.scratch, ignore_errors=True)
-    log(run.summary.line())
     if build_only:
-        log(f"built {len(plan)} libraries in {run.scratch}; run them where {target} runs: "
-            f"blockpad check --run-built {run.scratch}")
+        built = sum(len(lib["cases"]) for lib in plan)
+        log(f"{len(ks)} cases on {target} (seed {seed}): {built} built into {len(plan)} "
+            f"libraries in {run.scratch}, {run.summary.failed} failed to build; run them where "
+            f"{target} runs: blockpad check --run-built {run.scratch}")
+    else:
+        log(run.summary.line())
     return run.summary
 
 

@@ -15,7 +15,9 @@ What is drawn, and why:
   block, dims of 1, odd spatial sizes are where padding code goes wrong;
 * layouts: plain, channels-last, blocked once or twice (``4i16o4i``), blocked on a spatial
   dim, outer dims permuted, with a halo (``paddings``) or with gaps between dims (``strides``);
-* every padding policy, in place where the op has an in-place form, every dtype the op takes.
+* every padding policy, in place where the op has an in-place form, every dtype the op takes;
+  for a CUDA target (``Profile``) only the policies a GPU library honours (``dst_fused``,
+  ``dst_stage``) and no layout with gaps between dims.
 
 Where a drawn combination is invalid *by design* (the spec would be rejected with a
 ``SpecError`` that is right to reject it), the generator does not produce it; each such rule
