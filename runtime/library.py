@@ -107,7 +107,8 @@ class Kernel:
                 mems.append(_as_memory(value, sig.name, arg.name, arg.role, arg.layout, arg.storage,
                                        sig.requires_clean))
         if sig.seven_bit is not None:
-            check_seven_bit(mems[sig.seven_bit].buffer, f"{sig.name}: argument 'weights'")
+            w = mems[sig.seven_bit]
+            check_seven_bit(w.buffer, w.layout, f"{sig.name}: argument 'weights'")
         return mems
 
     def _run_on_gpu(self, args, stream):
@@ -221,10 +222,17 @@ def fits_seven_bit(weights) -> bool:
     return weights.size == 0 or (int(weights.min()) >= lo and int(weights.max()) <= hi)
 
 
-def check_seven_bit(weights, what) -> None:
+def check_seven_bit(buffer, layout: Layout, what) -> None:
     """A ``weight_bits = 7`` kernel's promise: every weight (and the padding, which the kernel
     reads as zeros) lies in [-64, 64]. One pass over the weights, a small part of the
-    convolution's work; ``bind`` checks once, as it checks everything else."""
+    convolution's work; ``bind`` checks once, as it checks everything else. A layout with gaps
+    between dims (explicit strides) is checked at its elements only: the kernel never reads the
+    gaps, which may hold anything (``blockpad check`` fills them with a guard pattern, and a
+    whole-buffer check refused those calls)."""
+    weights = buffer
+    if layout.strides is not None:
+        weights = buffer[np.concatenate([layout.logical_offsets().reshape(-1),
+                                         layout.padding_offsets()])]
     if not fits_seven_bit(weights):
         raise ArgumentError(f"{what}: the kernel was built with weight_bits = 7 (every weight in "
                             f"[-64, 64]); got weights in [{int(weights.min())}, "
@@ -252,7 +260,7 @@ class BoundCall:
                 sig = self.kernel.signature
                 i = sig.seven_bit
                 if i is not None and bufs[i] is not self._buffers[i]:   # new weights
-                    check_seven_bit(bufs[i], f"{sig.name}: argument 'weights'")
+                    check_seven_bit(bufs[i], self.mems[i].layout, f"{sig.name}: argument 'weights'")
             self._tensors = [m.kernel_arg(s)[0] for m, s in zip(self.mems, self._storages)]
             self._buffers = bufs
         return self._tensors

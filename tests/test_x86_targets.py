@@ -659,3 +659,18 @@ def test_requantized_epilogue_is_vector_code(tmp_path, rng, dst_dtype, zp):
     info = np.iinfo(dst_dtype)
     want = np.clip(np.rint(v.astype(np.float64)), info.min - zp, info.max - zp) + zp
     np.testing.assert_array_equal(dst.to_numpy(), want.astype(dst_dtype))
+
+
+def test_seven_bit_check_reads_elements_not_the_gaps_of_a_strided_layout():
+    """Weights in a layout with gaps between dims: the kernel never reads the gaps, so the
+    7-bit promise is checked at the elements (blockpad check's guard pattern in the gaps, -83
+    and 127 as int8, was refused: seed 20261126 cases 127, 172, 189)."""
+    from blockpad.runtime.library import check_seven_bit
+
+    lay = bp.Layout("oihw", (4, 3, 1, 1), "int8", strides=(6, 1, 1, 1))
+    buf = np.full(lay.alloc_len, 127, np.int8)                 # gaps: out of range
+    buf[lay.logical_offsets().reshape(-1)] = np.arange(-6, 6)
+    check_seven_bit(buf, lay, "k: argument 'weights'")
+    buf[lay.logical_offsets()[1, 2, 0, 0]] = -65
+    with pytest.raises(bp.ArgumentError, match=r"weight_bits = 7 .* got weights in \[-65, 5\]"):
+        check_seven_bit(buf, lay, "k: argument 'weights'")
