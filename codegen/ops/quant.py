@@ -14,8 +14,9 @@
 oneDNN's per-tensor source scale has no attribute of its own: it folds into ``scale`` (a caller
 passes ``src_scale * wei_scale[k]``, one float32 product, as oneDNN's reference forms it), and
 ONNX's requantization multiplier ``x_scale * w_scale[k] / y_scale`` likewise (``dst_scale = 1``).
-``nearbyint`` rounds half to even (``common.round_clamped``); the zero point is added to the rounded
-value (an integer), then the sum saturates to the destination's range; an int32 destination
+``nearbyint`` is round half to even (computed with integer bit arithmetic, not the intrinsic:
+``common.round_clamped``); the zero point is added to the rounded value (an integer), then the
+sum saturates to the destination's range; an int32 destination
 saturates at the float32 values nearest inside its range (2**31 - 128 is the largest float32
 below 2**31), as oneDNN's conversion does, the rounded value first (it is converted to int32
 before the zero point is added: ``saturation_bounds``). The order is exact but for one liberty
