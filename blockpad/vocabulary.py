@@ -74,6 +74,11 @@ DST = "dst"     #: the stage that writes the destination (epilogue, cast, paddin
 #: softmax's row statistics and exponentials, in the order they are computed before ``DST``
 MAX, EXP, SUM, NORM = "max", "exp", "sum", "norm"
 SOFTMAX_STAGES = (MAX, EXP, SUM, NORM)
+#: the fused inverted residual's inner stages, in order before ``ACC`` (the 1x1 projection): the
+#: 1x1 expansion's reduction, its bias and activation over the depthwise window's zero halo, the
+#: depthwise reduction, its bias and activation
+EXPAND, EXPANDED, DEPTHWISE, DEPTHWISE_OUT = "expand", "expanded", "depthwise", "depthwise_out"
+INVERTED_RESIDUAL_STAGES = (EXPAND, EXPANDED, DEPTHWISE, DEPTHWISE_OUT)
 
 # ---- attributes of generated functions -----------------------------------------------------
 

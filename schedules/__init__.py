@@ -17,6 +17,7 @@ from . import (
     data_movement,
     depthwise,
     generic,
+    inverted_residual,
     register_tiled,
     winograd,
     x86_tensorized,
@@ -27,9 +28,10 @@ from .vector_math import VectorMath
 
 RULES = {
     "x86": [*data_movement.RULES, Elementwise(), *x86_tensorized.RULES, *winograd.RULES,
-            *depthwise.RULES, *register_tiled.RULES, *cpu_reduction.RULES, VectorMath(),
+            *depthwise.RULES, *inverted_residual.RULES,
+            *register_tiled.RULES, *cpu_reduction.RULES, VectorMath(),
             generic.Fallback()],
-    "arm": [*winograd.RULES, *arm.RULES, generic.Fallback()],
+    "arm": [*winograd.RULES, *inverted_residual.RULES, *arm.RULES, generic.Fallback()],
     # never generic.Fallback: GPU kernels must bind threads
     "cuda": [*cuda.RULES, *cuda_conv.RULES, *cuda_reduction.RULES, cuda.Fallback()],
 }

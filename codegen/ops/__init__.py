@@ -10,7 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import binary, concat, conv, eltwise, matmul, pool, postops, quantize, softmax, winograd
+from . import (
+    binary,
+    concat,
+    conv,
+    eltwise,
+    inverted_residual,
+    matmul,
+    pool,
+    postops,
+    quantize,
+    softmax,
+    winograd,
+)
 from .reorder import reorder, zero_pad
 
 
@@ -61,6 +73,9 @@ OPS = {
                    quantize.quantize_signature),
     "dequantize": Op(("src", "dst"), quantize.make_dequantize, quantize.DEQUANTIZE_PARAMS,
                      quantize.dequantize_signature),
+    "inverted_residual": Op(inverted_residual.TENSORS, inverted_residual.make,
+                            inverted_residual.PARAMS, inverted_residual.signature,
+                            inverted_residual.DEFAULT_TAGS),
     "winograd_weights": Op(("src", "dst"), winograd.make_transform, winograd.PARAMS,
                            winograd.transform_signature, policy_free=True),
 }

@@ -34,7 +34,7 @@ from ..cache import KernelCache, default_cache
 from ..memory import Memory
 from .execution import Runner
 from .ops import ELTWISE, GRAPH_OPS, plain
-from .passes import Node
+from .passes import FUSIONS, Node
 from .planning import Plan
 from .results import Results
 from .weights import WeightCache
@@ -71,15 +71,17 @@ class Graph:
     ``"blocked"`` (propagate blocked layouts) or ``"plain"`` (every op on plain layouts: the
     baseline). ``block``: the channel block of blocked activations (8 or 16; None: 16 unless
     every channel count fits 8 better). ``weights``: ``"check"`` or ``"frozen"`` (see the
-    module docstring). ``fuse``: which of a convolution's only readers run inside its kernel
-    as oneDNN post-ops: ``"eltwise"``, ``"sum"`` (an add), both (the default), or none
-    (False/()). A fused residual add saves a pass over the block's output: ResNet-50 (host,
-    AVX2, 1 thread, best of 20 interleaved runs) 124.4 -> 120.2 ms, its 16 adds and 16 relus
-    gone from the plan."""
+    module docstring). ``fuse``: what runs fused (``passes.FUSIONS``, all by default; none:
+    False/()): a convolution's only reader inside its kernel as oneDNN post-ops,
+    ``"eltwise"`` and ``"sum"`` (an add), and ``"inverted_residual"``: a 1x1 expansion, a
+    depthwise convolution and a 1x1 projection as one kernel (MobileNetV2's blocks;
+    ``passes.fuse_inverted_residuals``). A fused residual add saves a pass over the block's
+    output: ResNet-50 (host, AVX2, 1 thread, best of 20 interleaved runs) 124.4 -> 120.2 ms,
+    its 16 adds and 16 relus gone from the plan."""
 
     def __init__(self, policy=None, cache: KernelCache | None = None, libraries=(),
                  inplace=True, layouts="blocked", block=None, weights="check",
-                 fuse=("eltwise", "sum"), name="graph"):
+                 fuse=FUSIONS, name="graph"):
         libraries = list(libraries)
         if policy is None:
             policy = next((lib.policy for lib in libraries if lib.policy), DEFAULT_POLICY)
@@ -109,10 +111,11 @@ class Graph:
         self.block = block
         self.weights = weights
         if fuse is True:
-            fuse = ("eltwise", "sum")
-        unknown = set(fuse or ()) - {"eltwise", "sum"}
+            fuse = FUSIONS
+        unknown = set(fuse or ()) - set(FUSIONS)
         if unknown:
-            raise ArgumentError(f"fuse: expected 'eltwise' and/or 'sum'; got {sorted(unknown)}")
+            raise ArgumentError(f"fuse: expected some of {', '.join(FUSIONS)}; got "
+                                f"{sorted(unknown)}")
         self.fuse = frozenset(fuse or ())
         self.nodes: list[Node] = []
         self.inputs: dict = {}        # name -> (shape, dtype)

@@ -82,7 +82,7 @@ class Runner:
         report.seconds = plan_seconds + report.run_seconds
         report.ops = self.ops
         report.inplace = [s.label for s in plan.steps if s.inplace]
-        report.fused = [f"{a} + {b}" for a, b in plan.fused]
+        report.fused = [" + ".join(names) for names in plan.fused]
         report.fallbacks = dict(plan.fallbacks)
         report.peak_bytes = plan.peak_bytes
         report.arena_bytes = plan.arena_bytes

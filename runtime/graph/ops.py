@@ -576,6 +576,68 @@ class Conv2d(OpInfo):
         return requantize_ref(node, acc, scale)
 
 
+class InvertedResidual(OpInfo):
+    """A 1x1 expansion, a depthwise convolution and a 1x1 projection in one kernel
+    (codegen/ops/inverted_residual.py), made by ``passes.fuse_inverted_residuals`` from three
+    conv2d nodes. Inputs: src (NCHW), the expansion's weights (E, C, 1, 1) and bias, the
+    depthwise weights (E, 1, KH, KW) and bias, the projection's weights (K, E, 1, 1), then the
+    projection's post-op tensors (``post_op_inputs``). Blocked: ``nChw<b>c`` with the
+    convolutions' blocked weights; plain: ``nchw`` with ``oihw``/``goihw`` (the generic
+    schedule: correct, not fast)."""
+
+    name = "inverted_residual"
+
+    def infer(self, node, types):
+        a = node.attrs
+        (src, dt), (w, _) = types[0], types[5]
+        out = (src[0], int(w[0]), *((n - 1) // s + 1 for n, s in zip(src[2:], a["stride"])))
+        return [(out, dt)]
+
+    def _request(self, node, types, lays, graph):
+        a = node.attrs
+        names = ["src", "expand_weights", "expand_bias", "depthwise_weights", "depthwise_bias",
+                 "weights", *post_op_inputs(a), "dst"]
+        params = {k: a[k] for k in ("expanded", "channels", "kernel", "stride",
+                                    "expand_post_ops", "depthwise_post_ops")}
+        params["post_ops"] = [dict(p) for p in a["post_ops"]]
+        return Request.make("inverted_residual", list(zip(names, lays)), params, graph.policy,
+                            shape=types[0][0], dtype=types[0][1])
+
+    def choices(self, node, types, homes, graph):
+        (src, dt), (w1, _), (b1, _), (wd, _), _, (w2, _) = types[:6]
+        (out, _), = self.infer(node, types)
+        dw_shape = (wd[0], 1, 1, *wd[2:])
+        args = [("in", i) for i in range(len(types))] + [("out", 0)]
+        out_lays = []
+        for block in graph.conv_blocks(max(src[1], w1[0]), out[1], 1):
+            tag = graph.weight_tag(block, 1, False, dt)
+            lays = [blocked(src, dt, block), Layout(tag, tuple(w1), dt), plain(b1, dt),
+                    Layout(graph.weight_tag(block, wd[0], True, dt), dw_shape, dt), plain(b1, dt),
+                    Layout(tag, tuple(w2), dt),
+                    *(plain(*t) if len(t[0]) == 1 else blocked(*t, block) for t in types[6:]),
+                    blocked(out, dt, block)]
+            out_lays.append(Candidate(lays[:-1], lays[-1:], lambda inplace, lays=lays:
+                                      self._request(node, types, lays, graph), args,
+                                      f"nChw{block}c"))
+        lays = [plain(src, dt), Layout("oihw", tuple(w1), dt), plain(b1, dt),
+                Layout("goihw", dw_shape, dt), plain(b1, dt), Layout("oihw", tuple(w2), dt),
+                *(plain(*t) for t in types[6:]), plain(out, dt)]
+        out_lays.append(Candidate(lays[:-1], lays[-1:], lambda inplace, lays=lays:
+                                  self._request(node, types, lays, graph), args, "plain"))
+        return out_lays
+
+    def reference(self, node, arrays):
+        a = node.attrs
+        x, w1, b1, wd, bd, w2, *rest = arrays
+        kh, kw = a["kernel"]
+        e = conv_ref(x, w1, b1, post_ops=[{"kind": "bias"}, *a["expand_post_ops"]])
+        d = conv_ref(e, wd, bd, a["stride"], (kh // 2, kw // 2), groups=wd.shape[0],
+                     post_ops=[{"kind": "bias"}, *a["depthwise_post_ops"]])
+        tensors = _post_op_arrays(a, rest)
+        return [conv_ref(d, w2, tensors.pop("bias", None), post_ops=a["post_ops"],
+                         operands=tensors)]
+
+
 # ---- pooling ----------------------------------------------------------------------------------
 
 def pool_ref(x, algorithm="max", kernel=(2, 2), stride=None, pad=0, dilation=(1, 1),
@@ -797,5 +859,6 @@ class Custom(OpInfo):
 
 
 GRAPH_OPS = {"eltwise": Eltwise(), "binary": Binary(), "softmax": Softmax(), "conv2d": Conv2d(),
+             "inverted_residual": InvertedResidual(),
              "pool": Pool(), "matmul": Matmul(), "reshape": Reshape(), "concat": Concat(),
              "quantize": Quantize(), "dequantize": Dequantize(), "custom": Custom()}

@@ -32,7 +32,7 @@ from blockpad.layout import Layout, dtype_name
 
 from .kernels import reorder_request
 from .ops import GRAPH_OPS, plain
-from .passes import InplaceResult, Node, fuse_post_ops, inplace_pass
+from .passes import INVERTED_RESIDUAL, InplaceResult, Node, fuse_inverted_residuals, fuse_post_ops, inplace_pass
 from .weights import WeightCache
 
 
@@ -176,6 +176,11 @@ class Plan:
             nodes, self.fused = fuse_post_ops(
                 nodes, protected, lambda n: len({t[0] for t in node_types[n.name]}) == 1,
                 kinds=g.fuse, float_result=lambda n: "float" in env_types[n.outputs[0]][1])
+        if INVERTED_RESIDUAL in g.fuse and g.layouts == "blocked":
+            nodes, blocks = fuse_inverted_residuals(
+                nodes, protected, lambda n: node_types[n.name],
+                lambda v: v in g.weight_cache.arrays)
+            self.fused += blocks
         if g.inplace:
             self.inplace_result = inplace_pass(nodes, capable, protected)
         else:

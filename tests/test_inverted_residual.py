@@ -1,0 +1,212 @@
+"""The fused inverted residual (codegen/ops/inverted_residual.py, schedules/inverted_residual.py,
+passes.fuse_inverted_residuals): the kernel against a float64 numpy block written here (1x1,
+depthwise, 1x1, each with its own bias and activation) under the policies, over strides, a
+5x5 window, channel counts that are not block multiples, a batch and plain layouts; what the
+rule takes; what the spec refuses; and the Graph pass that finds the pattern."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blockpad as bp
+from blockpad.codegen.spec import parse_spec
+from blockpad.codegen.targets import get_target
+from blockpad.errors import SpecError
+from blockpad.schedules import RULES
+from blockpad.schedules.inverted_residual import InvertedResidual
+from blockpad.schedules.rule import first_match
+
+from .conftest import garbage
+from .test_conv_matmul import GUARD, _kernels
+
+RELU6 = {"kind": "eltwise", "algorithm": "clip", "alpha": 0.0, "beta": 6.0}
+SIGMOID = {"kind": "eltwise", "algorithm": "sigmoid"}
+
+
+def block(c, e, k, hw, b=16, stride=1, residual=False, kernel=3, batch=1, plain=False,
+          act=RELU6):
+    d, w, dw = ("nchw", "oihw", "goihw") if plain else (f"nChw{b}c", f"OIhw{b}i{b}o",
+                                                           f"Goihw{b}g")
+    return {"op": "inverted_residual", "shape": [batch, c, *hw], "expanded": e, "channels": k,
+            "kernel": [kernel, kernel], "stride": [stride, stride], "src": d,
+            "expand_weights": w, "depthwise_weights": dw, "weights": w, "dst": d,
+            "expand_post_ops": [act], "depthwise_post_ops": [act],
+            "post_ops": [{"kind": "bias"}, *([{"kind": "sum"}] if residual else [])],
+            **({"sum": d} if residual else {})}
+
+
+CASES = {
+    "s1_residual": block(16, 48, 16, (9, 12), residual=True),
+    "s2_8c": block(8, 24, 16, (11, 13), b=8, stride=2),
+    # C, E, K all pad their blocks; sigmoid(0) = 0.5 in the padded expanded channels, which
+    # the projection's zero weight padding must cancel
+    "tails": block(20, 60, 12, (7, 9), act=SIGMOID),
+    "k5_batch": block(16, 32, 24, (6, 7), kernel=5, batch=2),
+    "plain": block(6, 18, 6, (5, 6), plain=True, residual=True),
+}
+POLICY_CASES = {"dst_stage": ["tails"], "src": ["tails", "s1_residual"], "tracked": ["s2_8c"]}
+RUNS = [("dst_fused", c) for c in CASES] + [(p, c) for p, cs in POLICY_CASES.items() for c in cs]
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    out = {}
+    for policy in ("dst_fused", *POLICY_CASES):
+        names = CASES if policy == "dst_fused" else POLICY_CASES[policy]
+        d = tmp_path_factory.mktemp(f"ir-{policy}")
+        spec = {"library": {"policy": policy},
+                "kernel": [{**CASES[n], "name": n} for n in names]}
+        bp.build(parse_spec(spec), "host", d, log=lambda m: None)
+        out[policy] = bp.load(d)
+    return out
+
+
+def _act(v, p):
+    if p["algorithm"] == "clip":
+        return np.clip(v, p["alpha"], p["beta"])
+    return 1 / (1 + np.exp(-v))                  # sigmoid
+
+
+def reference(entry, a):
+    """float64: the three convolutions of the block, each with its bias and activation."""
+    x = a["src"].astype(np.float64)
+    e = np.einsum("nchw,ec->nehw", x, a["expand_weights"][:, :, 0, 0])
+    e = _act(e + a["expand_bias"][:, None, None], entry["expand_post_ops"][0])
+    kh, kw = entry["kernel"]
+    s = entry["stride"][0]
+    ep = np.pad(e, ((0, 0), (0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2)))
+    oh, ow = (e.shape[2] - 1) // s + 1, (e.shape[3] - 1) // s + 1
+    wd = a["depthwise_weights"][:, 0, 0]
+    d = sum(ep[:, :, i:i + s * oh:s, j:j + s * ow:s] * wd[:, i, j][:, None, None]
+            for i in range(kh) for j in range(kw))
+    d = _act(d + a["depthwise_bias"][:, None, None], entry["depthwise_post_ops"][0])
+    y = np.einsum("nehw,ke->nkhw", d, a["weights"][:, :, 0, 0]) + a["bias"][:, None, None]
+    return y + a["sum"] if "sum" in a else y
+
+
+@pytest.mark.parametrize("policy,case", RUNS)
+def test_fused_block_matches_numpy(libs, policy, case, rng):
+    """Numbers against the float64 block; the destination padding each policy promises (zero,
+    or untouched NaN where the kernel writes the valid elements only); nothing written outside
+    the destination; under ``src`` every source's padding holds NaN."""
+    kernel, entry = libs[policy][case], CASES[case]
+    arrays, mems = {}, []
+    for name, role, lay, _ in kernel.signature.args[:-1]:
+        scale = 0.3 if "weights" in name else 1.0
+        arrays[name] = (rng.standard_normal(lay.shape) * scale).astype(lay.dtype)
+        mem = bp.Memory.from_numpy(arrays[name], lay)
+        if policy == "src":
+            mem.buffer[lay.padding_offsets()] = np.nan
+            mem.state = "dirty"
+        mems.append(mem)
+    lay = kernel.signature.args[-1][2]
+    whole = garbage(lay.alloc_len + 2 * GUARD, lay.dtype)
+    dst = bp.Memory.from_buffer(whole[GUARD:-GUARD], lay)
+    kernel(*mems, dst)
+    np.testing.assert_allclose(dst.to_numpy(), reference(entry, arrays), rtol=1e-5, atol=1e-5)
+    pad = whole[GUARD:-GUARD][lay.padding_offsets()]
+    contract = kernel.signature.padding
+    if contract["dst_writes"] in ("full", "select") or contract["dst_stage"]:
+        assert np.all(pad == 0)
+    elif contract["dst_writes"] == "valid":
+        assert np.all(np.isnan(pad))
+    assert np.all(np.isnan(whole[:GUARD])) and np.all(np.isnan(whole[-GUARD:]))
+
+
+@pytest.mark.parametrize("case", ["s1_residual", "s2_8c", "tails", "k5_batch"])
+def test_rule_keeps_the_expansion_in_bands(case):
+    """The build picks the fused rule for blocked blocks, and the expansion is computed inside
+    the parallel loop (a band at a time), the depthwise and projection inside it too: no stage
+    of the block is a pass of its own over the image."""
+    func = _kernels(CASES[case])[0].func
+    rule, sch = first_match(RULES["x86"], func, get_target("host"))
+    assert isinstance(rule, InvertedResidual)
+    script = sch.mod["main"].script()
+    # one parallel loop holds every stage (the other ones copy per-channel tensors)
+    main = next(p for p in script.split("T.parallel")[1:] if 'T.sblock("dst")' in p)
+    for stage in ("expand_update", "expanded", "depthwise_update", "depthwise_out",
+                  "acc_update", "dst"):
+        assert f'T.sblock("{stage}")' in main
+
+
+def test_rule_leaves_a_plain_block_to_the_generic_one():
+    assert InvertedResidual().apply(_kernels(CASES["plain"])[0].func, get_target("host")) is None
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"kernel": [2, 2]}, "odd sides"),
+    ({"expand_post_ops": [{"kind": "bias"}]}, "eltwise post-ops only"),
+    ({"dtype": "uint8"}, "dtype must be one of float32, float64"),
+    ({"expanded": 0}, "expanded must be a positive integer"),
+])
+def test_spec_refuses(change, message):
+    with pytest.raises(SpecError, match=message):
+        parse_spec({"kernel": [{**CASES["tails"], **change}]})
+
+
+# ---- the Graph pass ----------------------------------------------------------------------------
+
+def _mobile_block(cache, rng, c, e, hw, stride=1, fuse=None, read_expanded=False):
+    """MobileNetV2's block as a user (or the ONNX importer) writes it: three convolutions with
+    biases and relu6, the residual add where the shapes allow."""
+    g = bp.Graph(cache=cache, **({} if fuse is None else {"fuse": fuse}))
+    x = g.input("x", (1, c, hw, hw))
+    w = {n: g.constant(n, (rng.standard_normal(s) * 0.3).astype("float32")) for n, s in (
+        ("w1", (e, c, 1, 1)), ("b1", (e,)), ("wd", (e, 1, 3, 3)), ("bd", (e,)),
+        ("w2", (c, e, 1, 1)), ("b2", (c,)))}
+    t = g.eltwise(g.conv2d(x, w["w1"], w["b1"]), "clip", 0.0, 6.0)
+    d = g.eltwise(g.conv2d(t, w["wd"], w["bd"], stride=stride, pad=1, groups=e), "clip",
+                  0.0, 6.0)
+    y = g.conv2d(d, w["w2"], w["b2"])
+    if stride == 1:
+        y = g.add(y, x)
+    g.output(y, *([t] if read_expanded else []))
+    return g, y.name
+
+
+def _block_reference(g, x, stride):
+    a = g.constants
+    entry = {"expand_post_ops": [RELU6], "depthwise_post_ops": [RELU6], "kernel": [3, 3],
+             "stride": [stride]}
+    arrays = {"src": x, "expand_weights": a["w1"], "expand_bias": a["b1"],
+              "depthwise_weights": a["wd"][:, None], "depthwise_bias": a["bd"],
+              "weights": a["w2"], "bias": a["b2"], **({"sum": x} if stride == 1 else {})}
+    return reference(entry, arrays)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return bp.jit_cache(cache_dir=tmp_path_factory.getbasetemp() / "bp-jit")
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_graph_runs_the_block_as_one_kernel(cache, rng, stride):
+    """The three convolutions, their relu6s and the residual add become one kernel; the result
+    matches the float64 block and the unfused graph's."""
+    x = rng.standard_normal((1, 16, 40, 40)).astype("float32")   # expanded: 600 KiB
+    g, y = _mobile_block(cache, rng, 16, 96, 40, stride)
+    res = g.run(x=x)
+    names = [n.name for n in g.nodes if n.op == "conv2d"]
+    assert res.report.fused[-1] == " + ".join(names)
+    assert [s.label for s in g.plan(x=x).steps][1:] == [names[-1]]   # after the reorder in
+    np.testing.assert_allclose(res[y].numpy(), _block_reference(g, x, stride), rtol=1e-4,
+                               atol=1e-4)
+    u, _ = _mobile_block(cache, np.random.default_rng(0), 16, 96, 40, stride,
+                         fuse=("eltwise", "sum"))
+    u.constants.update(g.constants)
+    assert not any("+" in f and f.count("+") == 2 for f in u.run(x=x).report.fused)
+    np.testing.assert_allclose(u.run(x=x)[y].numpy(), res[y].numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("why", ["expanded_read", "small", "not_asked"])
+def test_graph_leaves_blocks_it_must_not_fuse(cache, rng, why):
+    """An expanded tensor the caller reads, one that fits the cache anyway
+    (``FUSE_EXPANDED_BYTES``), and a graph that asks for post-ops only keep three kernels."""
+    hw = 8 if why == "small" else 40
+    g, y = _mobile_block(cache, rng, 16, 96, hw, read_expanded=why == "expanded_read",
+                         fuse=("eltwise", "sum") if why == "not_asked" else None)
+    x = rng.standard_normal((1, 16, hw, hw)).astype("float32")
+    res = g.run(x=x)
+    assert all(f.count(" + ") == 1 for f in res.report.fused)
+    np.testing.assert_allclose(res[y].numpy(), _block_reference(g, x, 1), rtol=1e-4, atol=1e-4)
