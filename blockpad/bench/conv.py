@@ -13,7 +13,10 @@ blockpad result is checked against a numpy reference (float64) before it is time
 error (max |err| / max |reference|) is printed. Winograd rows (``F(mxm)``, issue 15) take their
 weights through the library's transform kernel, outside the timing, and are rated in
 effective GFLOP/s: the direct convolution's flops over their time (so their fraction of peak
-may pass 100%), next to the same PyTorch contenders.
+may pass 100%), next to the same PyTorch contenders. Inverted-residual rows (``IR``: MobileNetV2's
+1x1 expansion, depthwise 3x3 and 1x1 projection with the residual add, one blockpad kernel)
+run against PyTorch executing the block's ops one by one (NCHW and channels_last), rated in the
+three convolutions' flops.
 PyTorch is a peer here, imported only inside the benchmark.
 """
 
@@ -87,7 +90,7 @@ def report_scaling(results) -> None:
     at = {(r["kernel"], r["threads"]): r for r in results}
     names = [k for k in results[0]["gflops"] if not k.startswith("peak")]
     body = [[r["shape"], *[f"{r['gflops'][k] / at[(r['kernel'], 1)]['gflops'][k]:.2f}x"
-                           for k in names]]
+                           if k in r["gflops"] else "-" for k in names]]
             for r in results if r["threads"] == n and (r["kernel"], 1) in at]
     print(f"\nthread scaling: GFLOP/s at {n} threads / at 1 thread (medians; target >= "
           f"{0.9 * n:.1f}x)")
@@ -103,11 +106,11 @@ def report(what, threads, rows, repeat):
     head += [f"{k.split()[-1]} / {'best torch' if what == 'conv' else 'numpy'}" for k in mine]
     head += [f"{k.split()[-1]} error" for k in mine]
     body = []
-    for r in rows:
+    for r in rows:   # an inverted residual has no mkldnn contender: "-"
         g = r["gflops"]
-        base = max(g[k] for k in peers if k.startswith("torch")) if what == "conv" \
-            else g["numpy"]
-        body.append([r["shape"], *[f"{g[k]:.1f}" for k in mine + peers],
+        base = max(g[k] for k in peers if k.startswith("torch") and k in g) \
+            if what == "conv" else g["numpy"]
+        body.append([r["shape"], *[f"{g[k]:.1f}" if k in g else "-" for k in mine + peers],
                      *[f"{100 * r['peak_fraction'][k]:.0f}%" for k in mine],
                      *[f"{100 * r['best_peak_fraction'][k]:.0f}%" for k in mine],
                      *[f"{g[k] / base:.2f}x" for k in mine],
@@ -162,7 +165,7 @@ def plot(what, results, png):
         x = np.arange(len(rows))
         w = 0.8 / len(names)
         for i, k in enumerate(names):
-            ax.bar(x + i * w, [r["gflops"][k] for r in rows], w, label=k)
+            ax.bar(x + i * w, [r["gflops"].get(k, 0.0) for r in rows], w, label=k)
         for t, v in rows[0]["peak"].items():
             ax.axhline(v, ls="--", lw=1, color="k" if t == "host" else "grey")
             ax.text(len(rows) - 0.5, v, f"{t} peak", va="bottom", ha="right", fontsize=8)
@@ -232,6 +235,34 @@ def _conv_peers(params, arrays):
             "torch mkldnn": lambda: mk(xm)}
 
 
+def _block_peers(params, arrays):
+    """PyTorch running an inverted residual's ops (biases, relu6, the residual add) one by
+    one, NCHW and channels_last: what a user of PyTorch eager gets."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_grad_enabled(False)
+    t = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    wd = t["depthwise_weights"].reshape(-1, 1, *t["depthwise_weights"].shape[-2:])
+    kh, kw = wd.shape[-2:]
+
+    def block(x, w1, w2, dw):
+        e = F.conv2d(x, w1, t["expand_bias"]).clamp_(0, 6)
+        d = F.conv2d(e, dw, t["depthwise_bias"], stride=tuple(params["stride"]),
+                     padding=(kh // 2, kw // 2), groups=dw.shape[0]).clamp_(0, 6)
+        y = F.conv2d(d, w2, t["bias"])
+        return y.add_(t["sum"]) if "sum" in t else y
+
+    cl = torch.channels_last
+    last = {k: t[k].contiguous(memory_format=cl) for k in ("src", "expand_weights", "weights")}
+    dwc = wd.contiguous(memory_format=cl)
+    if "sum" in t:
+        t["sum"] = t["sum"].contiguous(memory_format=cl)   # NCHW adds it as well, at a copy
+    return {"torch nchw": lambda: block(t["src"], t["expand_weights"], t["weights"], wd),
+            "torch channels_last": lambda: block(last["src"], last["expand_weights"],
+                                                 last["weights"], dwc)}
+
+
 def _matmul_peers(arrays):
     import torch
 
@@ -241,15 +272,27 @@ def _matmul_peers(arrays):
 
 
 def _reference(op, params, arrays):
-    if op == "conv2d":   # blockpad check's float64 convolution, not the graph's fallback
-        from blockpad.check.reference import conv
-        from blockpad.layout import pad_sides
+    from blockpad.check.reference import conv  # float64, not the graph's fallback
+    from blockpad.layout import pad_sides
 
-        x = np.pad(arrays["src"].astype(np.float64), ((0, 0), (0, 0), *pad_sides(params["pad"])))
-        return conv(x, arrays["weights"].astype(np.float64),
-                    {"stride": params["stride"], "pad": (0, 0),
-                     "dilation": params.get("dilation", (1, 1)),
-                     "groups": params.get("groups", 1)})
+    def direct(x, w, pad, stride=(1, 1), groups=1):
+        x = np.pad(x.astype(np.float64), ((0, 0), (0, 0), *pad_sides(pad)))
+        return conv(x, w.astype(np.float64), {"stride": stride, "pad": (0, 0),
+                                              "dilation": params.get("dilation", (1, 1)),
+                                              "groups": groups})
+
+    if op == "conv2d":
+        return direct(arrays["src"], arrays["weights"], params["pad"], params["stride"],
+                      params.get("groups", 1))
+    if op == "inverted_residual":   # relu6 both inner stages, as examples/bench_host.toml
+        channel = (slice(None), None, None)
+        e = np.clip(direct(arrays["src"], arrays["expand_weights"], 0)
+                    + arrays["expand_bias"][channel], 0, 6)
+        kh, kw = params["kernel"]
+        d = np.clip(direct(e, arrays["depthwise_weights"], [kh // 2, kw // 2], params["stride"],
+                           e.shape[1]) + arrays["depthwise_bias"][channel], 0, 6)
+        y = direct(d, arrays["weights"], 0) + arrays["bias"][channel]
+        return y + arrays["sum"] if "sum" in arrays else y
     return arrays["src"].astype(np.float64) @ arrays["weights"].astype(np.float64)
 
 
@@ -265,7 +308,8 @@ def worker(what, dirs, repeat, quick):
     libs = {t: bp.load(d) for t, d in dirs.items()}
     op = "conv2d" if what == "conv" else "matmul"
     host = libs["host"]
-    names = [n for n in host if host[n].signature.op == op]   # conv2d: Winograd ones too
+    ops = (op, "inverted_residual") if op == "conv2d" else (op,)
+    names = [n for n in host if host[n].signature.op in ops]   # conv2d: Winograd ones too
     if quick:
         names = names[:2]
     peaks = {t: Peak(t, threads) for t in libs}
@@ -275,7 +319,8 @@ def worker(what, dirs, repeat, quick):
         sig = host[name].signature
         params = sig.params
         arrays = _inputs(host[name], rng)
-        ref = _reference(op, params, arrays)
+        kind = sig.op
+        ref = _reference(kind, params, arrays)
         contenders, errors = {}, {}
         for t, lib in libs.items():
             call, dst = _bound(lib, lib[name], arrays)
@@ -285,7 +330,8 @@ def worker(what, dirs, repeat, quick):
                 raise SystemExit(f"{name} ({t}): relative error {err:.1e} vs numpy")
             contenders[f"blockpad {t}"] = call
             errors[f"blockpad {t}"] = err
-        contenders.update(_conv_peers(params, arrays) if op == "conv2d" else
+        contenders.update(_block_peers(params, arrays) if kind == "inverted_residual" else
+                          _conv_peers(params, arrays) if op == "conv2d" else
                           _matmul_peers(arrays))
         for t, p in peaks.items():
             contenders[f"peak {t}"] = p
@@ -294,16 +340,14 @@ def worker(what, dirs, repeat, quick):
             contenders["copy"] = _copy(moved, threads)
         rounds = interleaved_rounds(contenders, repeat)
         copy = rounds.pop("copy", None)
-        flops = 2 * float(np.prod(ref.shape)) * (   # (K, C, kh, kw) or (G, K/G, C/G, kh, kw)
-            float(np.prod(arrays["weights"].shape[-3:])) if op == "conv2d"
-            else arrays["src"].shape[1])
+        flops = _flops(kind, arrays, ref)
 
         def rate(k, secs):
             return (peaks[k[5:]].flops if k.startswith("peak") else flops) / secs / 1e9  # noqa: B023 (used in this iteration)
         gflops = {k: rate(k, statistics.median(t)) for k, t in rounds.items()}
         best = {k: rate(k, min(t)) for k, t in rounds.items()}
         peak = {t: gflops[f"peak {t}"] for t in peaks}
-        rows.append({"shape": _label(op, arrays, params), "kernel": name, "gflops": gflops,
+        rows.append({"shape": _label(kind, arrays, params), "kernel": name, "gflops": gflops,
                      "error": errors,
                      "peak": peak,
                      "peak_fraction": {f"blockpad {t}": gflops[f"blockpad {t}"] / peak[t]
@@ -319,6 +363,20 @@ def worker(what, dirs, repeat, quick):
                 "fma_bound": {t: moved / (flops / (peak[t] * 1e9)) / 1e9 for t in peaks}}
         print(f"{name}: done", file=sys.stderr, flush=True)
     print(json.dumps(rows))
+
+
+def _flops(op, arrays, ref) -> float:
+    """Multiply-adds x 2 of the direct computation: weights (K, C, kh, kw) or (G, K/G, C/G, kh,
+    kw) per output element; an inverted residual's three convolutions."""
+    if op == "inverted_residual":
+        n, c, h, w = arrays["src"].shape
+        e = arrays["expand_weights"].shape[0]
+        taps = float(np.prod(arrays["depthwise_weights"].shape[-2:]))
+        pixels = float(np.prod(ref.shape[2:]))
+        return 2.0 * n * (e * c * h * w + e * pixels * taps + ref.shape[1] * e * pixels)
+    if op == "conv2d":
+        return 2 * float(np.prod(ref.shape)) * float(np.prod(arrays["weights"].shape[-3:]))
+    return 2 * float(np.prod(ref.shape)) * arrays["src"].shape[1]
 
 
 def _bytes_moved(arrays, ref) -> int:
@@ -341,6 +399,11 @@ def _copy(nbytes, threads):
 
 
 def _label(op, arrays, params):
+    if op == "inverted_residual":
+        _, c, h, w = arrays["src"].shape
+        s = params["stride"][0]
+        return f"IR C{c} E{arrays['expand_weights'].shape[0]} K{arrays['weights'].shape[0]} " \
+            f"{h}x{w}" + (f" s{s}" if s > 1 else "")
     if op == "matmul":
         (m, k), n = arrays["src"].shape, arrays["weights"].shape[1]
         return f"{m}x{k}x{n}"
