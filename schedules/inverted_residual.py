@@ -33,10 +33,11 @@ from blockpad.vocabulary import ACC, DEPTHWISE, DEPTHWISE_OUT, DST, EXPAND, EXPA
 
 from .common import tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
-from .rule import ScheduleRule
+from .rule import ScheduleRule, distinct
 
 BAND_BYTES = 1 << 20   # the expanded band buffer's target size
 MIN_BANDS = 2          # tasks for two cores, even where one band would hold the image
+BAND_CHOICES = (256 * 1024, 1 << 20, 4 << 20)   # the tuning space's band buffer sizes
 STAGES = (EXPAND, EXPANDED, DEPTHWISE, DEPTHWISE_OUT, ACC, DST)
 
 
@@ -44,10 +45,24 @@ class InvertedResidual(ScheduleRule):
     ops = ("inverted_residual",)
 
     def schedule(self, func, target):
-        try:
-            return _schedule(func, target)
-        except s_tir.ScheduleError:
-            return None
+        return _attempt(func, target, BAND_BYTES, MIN_BANDS)
+
+    def space(self, func, target) -> list:
+        """The default, then other band heights for tuning on the device: the band buffer's
+        size against the halo rows recomputed, and one band (no recomputation: a small image
+        on one core) or four (more cores)."""
+        if not self.takes(func, target):
+            return []
+        bands = [(BAND_BYTES, MIN_BANDS), *((b, MIN_BANDS) for b in BAND_CHOICES
+                                            if b != BAND_BYTES), (BAND_BYTES, 1), (BAND_BYTES, 4)]
+        return distinct(_attempt(func, target, b, n) for b, n in bands)
+
+
+def _attempt(func, target, band_bytes, min_bands):
+    try:
+        return _schedule(func, target, band_bytes, min_bands)
+    except s_tir.ScheduleError:
+        return None
 
 
 def _extents(sch, block) -> list:
@@ -105,7 +120,7 @@ def _accumulate(sch, acc, target):
     sch.vectorize(sch.get_loops(init)[-1])
 
 
-def _schedule(func, target):
+def _schedule(func, target, band_bytes, min_bands):
     sch = s_tir.Schedule(func)
     blocks = {name: sch.get_sblock(name) for name in STAGES}
     others = [b for b in root_blocks(sch) if sch.get(b).name_hint not in STAGES]
@@ -119,7 +134,7 @@ def _schedule(func, target):
     if kb_size % lanes or cb % lanes:
         return None
     stride = max(1, round(hp_n / oh_n))           # about: only the band's height depends on it
-    rows = max(1, min(-(-oh_n // MIN_BANDS), (BAND_BYTES // (wp_n * eb_n * cb * 4)) // stride))
+    rows = max(1, min(-(-oh_n // min_bands), (band_bytes // (wp_n * eb_n * cb * 4)) // stride))
     rows = -(-oh_n // -(-oh_n // rows))           # bands of even height
 
     # 3. the projection, a row at a time

@@ -210,3 +210,15 @@ def test_graph_leaves_blocks_it_must_not_fuse(cache, rng, why):
     res = g.run(x=x)
     assert all(f.count(" + ") == 1 for f in res.report.fused)
     np.testing.assert_allclose(res[y].numpy(), _block_reference(g, x, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_tuning_space_varies_the_bands():
+    """``blockpad tune`` measures band heights on the device: the rule's default first, then
+    distinct variants (one band, more bands, other buffer sizes)."""
+    func = _kernels(block(16, 96, 16, (40, 40), residual=True))[0].func
+    target = get_target("host")
+    space = InvertedResidual().space(func, target)
+    default = InvertedResidual().apply(func, target)
+    assert len(space) >= 3
+    assert space[0].mod["main"].script() == default.mod["main"].script()
+    assert len({s.mod["main"].script() for s in space}) == len(space)
