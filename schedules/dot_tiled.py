@@ -229,7 +229,14 @@ def tile_acc(sch, acc, nest, at_loop, steps, blocks, lanes):
 def _rows(n: int, limit: int) -> int:
     """Rows of a register tile over ``n``: a divisor of ``n`` up to ``limit``, unless that is
     less than half of the most even split (19 rows, limit 15: 10 + 9, one row predicated off
-    in the last tile, rather than 19 tiles of 1)."""
+    in the last tile, rather than 19 tiles of 1). Where the split would be uneven, a divisor up
+    to a quarter past ``limit`` is taken instead: a few spilled registers cost less than a
+    predicated tile (uint8 3x3, 512 channels at 7x7, AVX2 ``vpmaddubsw`` with 7-bit weights,
+    1 thread: 7 rows x 2 column vectors, 14 accumulators against a limit of 12, 2.07 -> 1.74
+    ms against 4 + 3 rows; 256 channels at 14x14 1.54 -> 1.51 ms)."""
     even = -(-n // -(-n // limit))
     div = divisor_at_most(n, limit)
-    return div if 2 * div > even else even
+    if 2 * div > even:
+        return div
+    stretched = divisor_at_most(n, limit + limit // 4)
+    return stretched if stretched > limit else even
