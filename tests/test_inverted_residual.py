@@ -92,7 +92,7 @@ def test_fused_block_matches_numpy(libs, policy, case, rng):
     the destination; under ``src`` every source's padding holds NaN."""
     kernel, entry = libs[policy][case], CASES[case]
     arrays, mems = {}, []
-    for name, role, lay, _ in kernel.signature.args[:-1]:
+    for name, _role, lay, _ in kernel.signature.args[:-1]:
         scale = 0.3 if "weights" in name else 1.0
         arrays[name] = (rng.standard_normal(lay.shape) * scale).astype(lay.dtype)
         mem = bp.Memory.from_numpy(arrays[name], lay)

@@ -294,12 +294,16 @@ def _check_target(target: str, runs_here: bool) -> None:
 def describe(entry: dict) -> str:
     """One line naming what a case is."""
     bits = [entry["op"], entry.get("dtype", "float32"), entry.get("policy", "-")]
-    for t in ("src", "src0", "src1", "layout", "weights", "dst"):
+    for t in ("src", "src0", "src1", "layout", "expand_weights", "depthwise_weights", "weights",
+              "dst"):
         if t in entry:
             v = entry[t]
             bits.append(f"{t}={v if isinstance(v, str) else json.dumps(v, separators=(',', ':'))}")
     if entry.get("inplace"):
         bits.append("inplace")
+    for chain in ("expand_post_ops", "depthwise_post_ops"):     # inverted_residual's inner ones
+        if entry.get(chain):
+            bits.append(f"{chain}=" + "+".join(p.get("algorithm", "relu") for p in entry[chain]))
     if entry.get("post_ops"):
         bits.append("post_ops=" + "+".join(
             f"{p['kind']}:{p.get('algorithm', 'add')}:{p.get('operand', 'full')}"

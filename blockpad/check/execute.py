@@ -47,6 +47,8 @@ GUARD_BYTES = 256           # each side of every buffer; a multiple of the 64-by
 GUARD_PATTERN = np.frombuffer(bytes.fromhex("addec07f"), np.uint8)   # float32 NaN 0x7fc0dead
 # how a native kernel is called: each call path honours the padding contract on its own
 CALL_PATHS = ("direct", "bound", "stream")
+# inverted_residual's weights besides ``weights`` (its projection's): those of its inner sums
+IR_WEIGHTS = ("expand_weights", "depthwise_weights")
 
 
 # ---- how a call is made: natively through the public API, or under qemu --------------------
@@ -226,12 +228,17 @@ def source_values(name, layout, sig, rng) -> np.ndarray:
     x = rng.standard_normal(layout.shape)
     if name == "weights":
         x = x / np.sqrt(terms)
+    elif name in IR_WEIGHTS and sig.op == "inverted_residual":
+        x = x / np.sqrt(np.prod(layout.shape[1:]))    # each stage's sum: C, KH x KW, E terms
     return x.astype(dt)
 
 
 def _dot_terms(sig) -> int:
     """Products summed per output: K of matmul's (K, N) weights; C/G x KH x KW of conv's
-    (K, C, KH, KW) or (G, K/G, C/G, KH, KW)."""
+    (K, C, KH, KW) or (G, K/G, C/G, KH, KW); E of inverted_residual's projection (K, E, 1,
+    1)."""
+    if sig.op == "inverted_residual":
+        return int(np.prod(next(a.layout.shape for a in sig.args if a.name == "weights")[1:]))
     if sig.op not in ("conv2d", "matmul"):
         return 1
     w = sig.args[1].layout.shape

@@ -184,7 +184,16 @@ def dot(entry, t):
         bound = 3 * u * np.abs(v)
     else:
         bound = terms * u * absacc.astype(np.float64)
-    chain = entry.get("post_ops", [])
+    v, bound = post_ops(entry.get("post_ops", []), t, v, bound, u, channel, int_bias)
+    if "scale" in t:
+        return requantize(entry, v, bound)
+    return v, bound + rounding(dst_type, v)
+
+
+def post_ops(chain, t, v, bound, u, channel, int_bias=False):
+    """``(v, bound)`` after the post-op chain of conv2d, matmul or inverted_residual, each step
+    in a type of unit roundoff ``u``; ``channel`` indexes a per-channel (K,) tensor against
+    ``v``; ``int_bias``: the bias was added to the integer sum already."""
     for p, name in zip(chain, post_op_tensors(chain)):
         if p["kind"] == "bias":
             if int_bias:
@@ -203,9 +212,50 @@ def dot(entry, t):
             bound = bound + u * np.abs(v)
         else:
             v, bound = through(eltwise_fn(p), v, bound, u)
-    if "scale" in t:
-        return requantize(entry, v, bound)
-    return v, bound + rounding(dst_type, v)
+    return v, bound
+
+
+def inverted_residual(entry, t):
+    """MobileNetV2's block as three convolutions (``conv``), each stage's value and error bound
+    handed to the next, all in the source's type (float32 or float64):
+
+    * expansion: a 1x1 convolution (C terms), its bias, its eltwise chain;
+    * depthwise: groups = E, stride, padding kernel // 2 of zeros (the padded cells are exact),
+      its bias and chain; the error it was handed carried through the weights (sum of
+      ``bound x |w|`` over the window) and the window's KH x KW terms rounded on ``|e| + bound``;
+    * projection: a 1x1 convolution (E terms) carried and rounded the same way, then conv2d's
+      post-op chain (``post_ops``) and the store's rounding."""
+    x = t["src"].astype(np.float64)
+    dtype = t["src"].dtype.name
+    u = UNIT[dtype]
+    kh, kw = entry.get("kernel", [3, 3])
+    stride = entry.get("stride", [1, 1])
+    e = t["expand_weights"].shape[0]
+    dense = {"stride": [1, 1], "pad": [0, 0], "dilation": [1, 1], "groups": 1}
+    depthwise = {"stride": stride, "pad": [kh // 2, kw // 2], "dilation": [1, 1], "groups": e}
+    channel = (slice(None), None, None)
+
+    def stage(v, bound, weights, geometry, bias, chain):
+        w = t[weights].astype(np.float64)
+        w = w.reshape(w.shape[0], -1, *w.shape[-2:])    # depthwise (E, 1, 1, KH, KW): 4-D
+        terms = int(np.prod(w.shape[1:]))       # C, KH x KW, E
+        carried = conv(bound, np.abs(w), geometry) if np.any(bound) else 0.0
+        v_next = conv(v, w, geometry)
+        bound = carried + terms * u * conv(np.abs(v) + bound, np.abs(w), geometry)
+        if bias is not None:
+            v_next = v_next + t[bias].astype(np.float64)[channel]
+            bound = bound + u * np.abs(v_next)
+        for p in chain:
+            v_next, bound = through(eltwise_fn(p), v_next, bound, u)
+        return v_next, bound
+
+    v, bound = stage(x, np.zeros_like(x), "expand_weights", dense, "expand_bias",
+                     entry.get("expand_post_ops", []))
+    v, bound = stage(v, bound, "depthwise_weights", depthwise, "depthwise_bias",
+                     entry.get("depthwise_post_ops", []))
+    v, bound = stage(v, bound, "weights", dense, None, [])
+    v, bound = post_ops(entry.get("post_ops", []), t, v, bound, u, channel)
+    return v, bound + rounding(dtype, v)
 
 
 def _prelu(v, b, bound):
@@ -253,7 +303,7 @@ def requantize(entry, v, bound):
 
 
 REFERENCES = {"reorder": reorder, "eltwise": eltwise, "binary": binary, "softmax": softmax,
-              "pool": pool, "conv2d": dot, "matmul": dot}
+              "pool": pool, "conv2d": dot, "matmul": dot, "inverted_residual": inverted_residual}
 
 
 def reference(entry: dict, inputs: dict):

@@ -1,14 +1,16 @@
-"""Make a failing case smaller: drop what the failure does not need (a post-op, in place, a
-halo, strides, a block, an exotic policy or dtype), one step at a time, keeping each step only
-if the case still fails the same way. Each try builds and runs one kernel, so the number of
-tries is bounded."""
+"""Make a failing case smaller: drop what the failure does not need (a post-op, an inner eltwise
+of an inverted residual, in place, a halo, strides, a block, an exotic policy or dtype), one
+step at a time, keeping each step only if the case still fails the same way. Each try builds
+and runs one kernel, so the number of tries is bounded."""
 
 from __future__ import annotations
 
 from blockpad.layout import Layout
 from blockpad.vocabulary import POST_OP_TENSORS, post_op_tensors
 
-TENSORS = ("src", "src0", "src1", "layout", "weights", "dst")
+TENSORS = ("src", "src0", "src1", "layout", "expand_weights", "depthwise_weights", "weights",
+           "dst")
+INNER_CHAINS = ("expand_post_ops", "depthwise_post_ops")    # inverted_residual's: eltwise only
 
 
 def simpler(entry: dict):
@@ -16,6 +18,9 @@ def simpler(entry: dict):
     chain = entry.get("post_ops", [])
     for i in range(len(chain)):
         yield _without_post_op(entry, i)
+    for key in INNER_CHAINS:
+        for i in range(len(entry.get(key, []))):
+            yield {**entry, key: [p for j, p in enumerate(entry[key]) if j != i]}
     if entry.get("inplace"):
         yield {k: v for k, v in entry.items() if k != "inplace"}
     if entry.get("policy") not in (None, "dst_fused"):
