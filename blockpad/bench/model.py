@@ -94,8 +94,12 @@ def child(args) -> dict:
     if args.child == "blockpad":
         report = net.run(x).report
         steps = step_times(net.graph, {next(iter(net.inputs)): x})
-        out.update(steps={k: 1e3 * v for k, v in steps.items()},
-                   ops={n.name: _kind(net.graph, n) for n in net.graph.nodes},
+        ops = {n.name: _kind(net.graph, n) for n in net.graph.nodes}
+        for fused in report.fused:   # an inverted residual runs as its projection's step
+            names = fused.split(" + ")
+            if len(names) == 3:
+                ops[names[-1]] = "inverted residual"
+        out.update(steps={k: 1e3 * v for k, v in steps.items()}, ops=ops,
                    arena_mib=report.arena_bytes / 2 ** 20,
                    weights_mib=report.weight_bytes / 2 ** 20,
                    fallbacks=report.fallbacks)
