@@ -89,6 +89,57 @@ def garbage(n, dtype):
     return buf
 
 
+def policy_libraries(tmp_path_factory, prefix, cases, policy_cases) -> dict:
+    """One library per policy (a library has one), built once: every case of ``cases`` under
+    ``dst_fused``, the names ``policy_cases[policy]`` lists under each other policy."""
+    out = {}
+    for policy in ("dst_fused", *policy_cases):
+        names = cases if policy == "dst_fused" else policy_cases[policy]
+        d = tmp_path_factory.mktemp(f"{prefix}-{policy}")
+        spec = {"library": {"policy": policy},
+                "kernel": [{**cases[n], "name": n} for n in names]}
+        bp.build(parse_spec(spec), "host", d, log=lambda m: None)
+        out[policy] = bp.load(d)
+    return out
+
+
+GUARD = 16   # elements of garbage on each side of a destination
+
+
+def run_guarded(kernel, arrays, policy):
+    """``kernel`` run on the logical ``arrays`` (under ``src``, every source's padding is
+    garbage and its state ``dirty``) into a garbage-filled destination between guard regions;
+    returns the destination Memory and the whole buffer, guards included."""
+    mems = []
+    for name, _, lay, _ in kernel.signature.args[:-1]:
+        mem = bp.Memory.from_numpy(arrays[name], lay)
+        if policy == "src":
+            # consumers must not trust source padding. A kernel that reduces over padded
+            # blocks asks for a source stage (contract src_stage), which the runtime runs in
+            # place before the call (runtime.padding.before_call); the others mask.
+            mem.buffer[lay.padding_offsets()] = garbage(1, lay.dtype)[0]
+            mem.state = "dirty"
+        mems.append(mem)
+    lay = kernel.signature.args[-1][2]
+    whole = garbage(lay.alloc_len + 2 * GUARD, lay.dtype)
+    dst = bp.Memory.from_buffer(whole[GUARD:-GUARD], lay)
+    kernel(*mems, dst)
+    return dst, whole
+
+
+def assert_padding_contract(kernel, whole):
+    """The destination padding the kernel's contract promises (zero, or the garbage left
+    untouched where it writes valid elements only), and nothing written past the guards."""
+    lay, contract, name = kernel.signature.args[-1][2], kernel.signature.padding, kernel.name
+    pad = whole[GUARD:-GUARD][lay.padding_offsets()]
+    if contract["dst_writes"] in ("full", "select") or contract["dst_stage"]:
+        assert np.all(pad == 0), f"{name}: destination padding not zeroed"
+    elif contract["dst_writes"] == "valid":
+        assert np.all(np.isnan(pad)), f"{name}: 'valid' kernel wrote the destination padding"
+    assert np.all(np.isnan(whole[:GUARD])) and np.all(np.isnan(whole[-GUARD:])), \
+        f"{name}: wrote outside the destination buffer"
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(int(os.environ.get("BLOCKPAD_TEST_SEED", "0")))

@@ -17,7 +17,7 @@ from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
 from blockpad.schedules.register_tiled import RegisterTiled
 
-from .conftest import garbage
+from .conftest import assert_padding_contract, garbage, policy_libraries, run_guarded
 
 RELU = {"kind": "eltwise", "algorithm": "relu"}
 SIGMOID = {"kind": "eltwise", "algorithm": "sigmoid"}
@@ -75,21 +75,12 @@ POLICY_CASES = {   # the policies beside dst_fused, on the cases where they diff
     "src": ["blk16_chain", "blk8_7x7s2", "groups2", "u8_blocked", "mm_blocked", "mm_u8"],
 }
 RUNS = [("dst_fused", c) for c in CASES] + [(p, c) for p, cs in POLICY_CASES.items() for c in cs]
-GUARD = 16
 
 
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
     """One library per policy: every case under dst_fused, a few under the others."""
-    out = {}
-    for policy in ("dst_fused", *POLICY_CASES):
-        names = CASES if policy == "dst_fused" else POLICY_CASES[policy]
-        d = tmp_path_factory.mktemp(policy)
-        spec = {"library": {"policy": policy},
-                "kernel": [{**CASES[n], "name": n} for n in names]}
-        bp.build(parse_spec(spec), "host", d, log=lambda m: None)
-        out[policy] = bp.load(d)
-    return out
+    return policy_libraries(tmp_path_factory, "conv", CASES, POLICY_CASES)
 
 
 # Shapes that whole AVX-512 tiles (8 x 32, 8 x 16 x 2 blocks) do not cover: the rule cuts the
@@ -209,37 +200,16 @@ def test_avx512_odd_shapes_match_numpy(avx512_libs, policy, case, rng):
 def _check(kernel, entry, policy, rng):
     """Run ``kernel`` on random inputs (NaN in source padding under ``src``, a NaN-filled
     destination with guards) and compare with the numpy reference and the padding contract."""
-    contract = kernel.signature.padding
     arrays = inputs(kernel, rng)
-    mems = []
-    for name, _, lay, _ in kernel.signature.args[:-1]:
-        mem = bp.Memory.from_numpy(arrays[name], lay)
-        if policy == "src":
-            # consumers must not trust source padding: NaN there. A kernel that reduces over
-            # padded blocks asks for a source stage (contract src_stage), which the runtime
-            # runs in place before the call (runtime.padding.before_call); the others mask.
-            mem.buffer[lay.padding_offsets()] = garbage(1, lay.dtype)[0]
-            mem.state = "dirty"
-        mems.append(mem)
-    dst_layout = kernel.signature.args[-1][2]
-    whole = garbage(dst_layout.alloc_len + 2 * GUARD, dst_layout.dtype)
-    dst = bp.Memory.from_buffer(whole[GUARD:-GUARD], dst_layout)
-    kernel(*mems, dst)
+    dst, whole = run_guarded(kernel, arrays, policy)
 
     got, want = dst.to_numpy(), reference(entry, arrays)
     tolerance = {"float32": 1e-4, "float16": 2e-2}.get(entry.get("dtype", "float32"))
-    name = kernel.name
     if tolerance:
         np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
     else:
         np.testing.assert_array_equal(got, want)          # int32 accumulation is exact
-    pad = whole[GUARD:-GUARD][dst_layout.padding_offsets()]
-    if contract["dst_writes"] in ("full", "select") or contract["dst_stage"]:
-        assert np.all(pad == 0), f"{name}: destination padding not zeroed"
-    elif contract["dst_writes"] == "valid":
-        assert np.all(np.isnan(pad)), f"{name}: 'valid' kernel wrote the destination padding"
-    assert np.all(np.isnan(whole[:GUARD])) and np.all(np.isnan(whole[-GUARD:])), \
-        f"{name}: wrote outside the destination buffer"
+    assert_padding_contract(kernel, whole)
 
 
 @st.composite

@@ -19,8 +19,8 @@ from blockpad.schedules import RULES
 from blockpad.schedules.depthwise import Depthwise, configs
 from blockpad.schedules.rule import first_match
 
-from .conftest import garbage
-from .test_conv_matmul import GUARD, _kernels, inputs
+from .conftest import assert_padding_contract, policy_libraries, run_guarded
+from .test_conv_matmul import _kernels, inputs
 
 RELU6 = {"kind": "eltwise", "algorithm": "clip", "alpha": 0.0, "beta": 6.0}
 
@@ -48,15 +48,7 @@ RUNS = [("dst_fused", c) for c in CASES] + [(p, c) for p, cs in POLICY_CASES.ite
 
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
-    out = {}
-    for policy in ("dst_fused", *POLICY_CASES):
-        names = CASES if policy == "dst_fused" else POLICY_CASES[policy]
-        d = tmp_path_factory.mktemp(f"dw-{policy}")
-        spec = {"library": {"policy": policy},
-                "kernel": [{**CASES[n], "name": n} for n in names]}
-        bp.build(parse_spec(spec), "host", d, log=lambda m: None)
-        out[policy] = bp.load(d)
-    return out
+    return policy_libraries(tmp_path_factory, "dw", CASES, POLICY_CASES)
 
 
 def reference(entry, arrays):
@@ -79,25 +71,9 @@ def test_depthwise_matches_numpy(libs, policy, case, rng):
     outside the destination; under ``src`` the sources' padding holds NaN."""
     kernel, entry = libs[policy][case], CASES[case]
     arrays = inputs(kernel, rng)
-    mems = []
-    for name, _, lay, _ in kernel.signature.args[:-1]:
-        mem = bp.Memory.from_numpy(arrays[name], lay)
-        if policy == "src":
-            mem.buffer[lay.padding_offsets()] = np.nan
-            mem.state = "dirty"
-        mems.append(mem)
-    lay = kernel.signature.args[-1][2]
-    whole = garbage(lay.alloc_len + 2 * GUARD, lay.dtype)
-    dst = bp.Memory.from_buffer(whole[GUARD:-GUARD], lay)
-    kernel(*mems, dst)
+    dst, whole = run_guarded(kernel, arrays, policy)
     np.testing.assert_allclose(dst.to_numpy(), reference(entry, arrays), rtol=1e-5, atol=1e-5)
-    pad = whole[GUARD:-GUARD][lay.padding_offsets()]
-    contract = kernel.signature.padding
-    if contract["dst_writes"] in ("full", "select") or contract["dst_stage"]:
-        assert np.all(pad == 0)
-    elif contract["dst_writes"] == "valid":
-        assert np.all(np.isnan(pad))
-    assert np.all(np.isnan(whole[:GUARD])) and np.all(np.isnan(whole[-GUARD:]))
+    assert_padding_contract(kernel, whole)
 
 
 @pytest.mark.parametrize("case", ["s1", "s2", "c30_8c", "dilated_asym", "prepadded"])

@@ -17,8 +17,8 @@ from blockpad.schedules import RULES
 from blockpad.schedules.inverted_residual import InvertedResidual
 from blockpad.schedules.rule import first_match
 
-from .conftest import garbage
-from .test_conv_matmul import GUARD, _kernels
+from .conftest import assert_padding_contract, policy_libraries, run_guarded
+from .test_conv_matmul import _kernels
 
 RELU6 = {"kind": "eltwise", "algorithm": "clip", "alpha": 0.0, "beta": 6.0}
 SIGMOID = {"kind": "eltwise", "algorithm": "sigmoid"}
@@ -51,15 +51,7 @@ RUNS = [("dst_fused", c) for c in CASES] + [(p, c) for p, cs in POLICY_CASES.ite
 
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
-    out = {}
-    for policy in ("dst_fused", *POLICY_CASES):
-        names = CASES if policy == "dst_fused" else POLICY_CASES[policy]
-        d = tmp_path_factory.mktemp(f"ir-{policy}")
-        spec = {"library": {"policy": policy},
-                "kernel": [{**CASES[n], "name": n} for n in names]}
-        bp.build(parse_spec(spec), "host", d, log=lambda m: None)
-        out[policy] = bp.load(d)
-    return out
+    return policy_libraries(tmp_path_factory, "ir", CASES, POLICY_CASES)
 
 
 def _act(v, p):
@@ -91,27 +83,11 @@ def test_fused_block_matches_numpy(libs, policy, case, rng):
     or untouched NaN where the kernel writes the valid elements only); nothing written outside
     the destination; under ``src`` every source's padding holds NaN."""
     kernel, entry = libs[policy][case], CASES[case]
-    arrays, mems = {}, []
-    for name, _role, lay, _ in kernel.signature.args[:-1]:
-        scale = 0.3 if "weights" in name else 1.0
-        arrays[name] = (rng.standard_normal(lay.shape) * scale).astype(lay.dtype)
-        mem = bp.Memory.from_numpy(arrays[name], lay)
-        if policy == "src":
-            mem.buffer[lay.padding_offsets()] = np.nan
-            mem.state = "dirty"
-        mems.append(mem)
-    lay = kernel.signature.args[-1][2]
-    whole = garbage(lay.alloc_len + 2 * GUARD, lay.dtype)
-    dst = bp.Memory.from_buffer(whole[GUARD:-GUARD], lay)
-    kernel(*mems, dst)
+    arrays = {name: (rng.standard_normal(lay.shape) * (0.3 if "weights" in name else 1.0))
+              .astype(lay.dtype) for name, _, lay, _ in kernel.signature.args[:-1]}
+    dst, whole = run_guarded(kernel, arrays, policy)
     np.testing.assert_allclose(dst.to_numpy(), reference(entry, arrays), rtol=1e-5, atol=1e-5)
-    pad = whole[GUARD:-GUARD][lay.padding_offsets()]
-    contract = kernel.signature.padding
-    if contract["dst_writes"] in ("full", "select") or contract["dst_stage"]:
-        assert np.all(pad == 0)
-    elif contract["dst_writes"] == "valid":
-        assert np.all(np.isnan(pad))
-    assert np.all(np.isnan(whole[:GUARD])) and np.all(np.isnan(whole[-GUARD:]))
+    assert_padding_contract(kernel, whole)
 
 
 @pytest.mark.parametrize("case", ["s1_residual", "s2_8c", "tails", "k5_batch"])

@@ -27,7 +27,7 @@ from blockpad.runtime.library import Signature
 from blockpad.testing import qemu
 from blockpad.vocabulary import POLICIES, QUANT_DEFAULTS
 
-from .conftest import asm_functions, garbage, kernel_instructions
+from .conftest import asm_functions, garbage, kernel_instructions, policy_libraries
 
 RELU = {"kind": "eltwise", "algorithm": "relu"}
 INT_BIAS = {"kind": "bias", "dtype": "int32"}
@@ -91,15 +91,8 @@ GUARD = 64
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
     """One library per policy (a library's policy is one), built once for the module."""
-    out = {}
-    for policy in POLICIES:
-        names = CASES if policy == "dst_fused" else POLICY_CASES
-        d = tmp_path_factory.mktemp(f"quant-{policy}")
-        spec = {"library": {"policy": policy},
-                "kernel": [{**CASES[n], "name": n} for n in names]}
-        bp.build(parse_spec(spec), "host", d, log=lambda m: None)
-        out[policy] = bp.load(d)
-    return out
+    return policy_libraries(tmp_path_factory, "quant", CASES,
+                            {p: POLICY_CASES for p in POLICIES if p != "dst_fused"})
 
 
 # ---- the integer reference ----------------------------------------------------------------
