@@ -103,7 +103,7 @@ def policy_libraries(tmp_path_factory, prefix, cases, policy_cases) -> dict:
     return out
 
 
-GUARD = 16   # elements of garbage on each side of a destination
+GUARD = 64   # elements of garbage on each side of a destination: a zmm of bytes
 
 
 def run_guarded(kernel, arrays, policy):

@@ -27,7 +27,7 @@ from blockpad.runtime.library import Signature
 from blockpad.testing import qemu
 from blockpad.vocabulary import POLICIES, QUANT_DEFAULTS
 
-from .conftest import asm_functions, garbage, kernel_instructions, policy_libraries
+from .conftest import GUARD, asm_functions, garbage, kernel_instructions, policy_libraries, run_guarded
 
 RELU = {"kind": "eltwise", "algorithm": "relu"}
 INT_BIAS = {"kind": "bias", "dtype": "int32"}
@@ -85,7 +85,6 @@ CASES = {
 POLICY_CASES = ("blk16", "blk8", "halo", "mm")
 RUNS = [("dst_fused", c) for c in CASES] + \
     [(p, c) for p in POLICIES if p != "dst_fused" for c in POLICY_CASES]
-GUARD = 64
 
 
 @pytest.fixture(scope="module")
@@ -172,17 +171,8 @@ def inputs(kernel, rng, spread=6) -> dict:
 def run(kernel, policy, arrays):
     """Call ``kernel`` on Memory objects (dirty source padding under ``src``: all ones) into
     a guarded destination full of all-ones bytes; the destination and its buffer."""
-    mems = []
-    for name, _, lay, _ in kernel.signature.args[:-1]:
-        mem = bp.Memory.from_numpy(arrays[name], lay)
-        if policy == "src":
-            mem.buffer[lay.padding_offsets()] = garbage(1, lay.dtype)[0]
-            mem.state = "dirty"
-        mems.append(mem)
-    lay = kernel.signature.args[-1][2]
-    whole = garbage(lay.alloc_len + 2 * GUARD, lay.dtype)
-    dst = bp.Memory.from_buffer(whole[GUARD:-GUARD], lay)
-    kernel(*mems, dst)
+    dst, whole = run_guarded(kernel, arrays, policy)
+    lay = dst.layout
     guard = garbage(GUARD, lay.dtype).view(np.uint8)
     assert np.array_equal(whole[:GUARD].view(np.uint8), guard) and \
         np.array_equal(whole[-GUARD:].view(np.uint8), guard), "wrote outside dst"
