@@ -6,6 +6,8 @@ rule takes; what the spec refuses; and the Graph pass that finds the pattern."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -17,7 +19,13 @@ from blockpad.schedules import RULES
 from blockpad.schedules.inverted_residual import InvertedResidual
 from blockpad.schedules.rule import first_match
 
-from .conftest import assert_padding_contract, policy_libraries, run_guarded
+from .conftest import (
+    asm_functions,
+    assert_padding_contract,
+    kernel_instructions,
+    policy_libraries,
+    run_guarded,
+)
 from .test_conv_matmul import _kernels
 
 RELU6 = {"kind": "eltwise", "algorithm": "clip", "alpha": 0.0, "beta": 6.0}
@@ -198,3 +206,17 @@ def test_tuning_space_varies_the_bands():
     assert len(space) >= 3
     assert space[0].mod["main"].script() == default.mod["main"].script()
     assert len({s.mod["main"].script() for s in space}) == len(space)
+
+
+@pytest.mark.parametrize("target,register", [("host", "ymm"), ("avx512", "zmm")])
+def test_every_stage_runs_in_full_vectors(tmp_path, target, register):
+    """Built for AVX2 and AVX-512 (compiled here whatever this CPU runs; the host build's
+    numbers are checked above, the AVX-512 one computes the same TE with wider tiles): the
+    expansion, depthwise and projection FMAs are vector FMAs on the target's widest registers,
+    none scalar."""
+    bp.build(parse_spec({"kernel": [{**block(24, 144, 24, (14, 14), residual=True),
+                                      "name": "ir"}]}), target, tmp_path, log=lambda m: None)
+    code = kernel_instructions(asm_functions(tmp_path), "ir")
+    fmas = [line for line in code if "vfmadd" in line or "vfnmadd" in line]
+    assert sum(f"%{register}" in line for line in fmas) >= 3 * 9   # taps, tiles, stages
+    assert not [line for line in fmas if re.search(r"vf\w*(ss|sd)\b", line)]
