@@ -5,6 +5,7 @@ corrupt and stale logs; measuring through an RPC tracker and server on loopback.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -311,16 +312,19 @@ def _free_port():
 
 @pytest.fixture
 def rpc_device():
-    """A tracker and a server registered with it under key 'loopback', as on a device farm."""
+    """A tracker and a server registered with it under key 'loopback', as on a device farm.
+    Each runs in a session of its own, killed whole at the end: the server's session workers
+    (``tvm.exec.popen_worker``) outlive a server that is only terminated."""
     tracker_port, server_port = _free_port(), _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host",
                                "127.0.0.1", "--port", str(tracker_port), "--port-end",
-                               str(tracker_port + 1)])]
+                               str(tracker_port + 1)], start_new_session=True)]
     try:
         procs.append(subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--host",
                                        "127.0.0.1", "--port", str(server_port), "--port-end",
                                        str(server_port + 1), "--tracker",
-                                       f"127.0.0.1:{tracker_port}", "--key", "loopback"]))
+                                       f"127.0.0.1:{tracker_port}", "--key", "loopback"],
+                                      start_new_session=True))
         deadline = time.time() + 120
         while time.time() < deadline:
             try:
@@ -334,7 +338,7 @@ def rpc_device():
         yield tn.Rpc("127.0.0.1", tracker_port, "loopback")
     finally:
         for p in reversed(procs):
-            p.terminate()
+            os.killpg(p.pid, signal.SIGTERM)
             p.wait(timeout=30)
 
 
