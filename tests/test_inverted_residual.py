@@ -220,3 +220,11 @@ def test_every_stage_runs_in_full_vectors(tmp_path, target, register):
     fmas = [line for line in code if "vfmadd" in line or "vfnmadd" in line]
     assert sum(f"%{register}" in line for line in fmas) >= 3 * 9   # taps, tiles, stages
     assert not [line for line in fmas if re.search(r"vf\w*(ss|sd)\b", line)]
+
+
+def test_a_graph_refuses_a_hand_made_node(cache):
+    """The node is the fusion pass's: added by hand without its attributes, a clear error."""
+    g = bp.Graph(cache=cache)
+    x = g.input("x", (1, 8, 4, 4))
+    with pytest.raises(bp.errors.ArgumentError, match="made by the fusion pass"):
+        g.add_op("inverted_residual", [x])

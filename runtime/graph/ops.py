@@ -587,8 +587,16 @@ class InvertedResidual(OpInfo):
 
     name = "inverted_residual"
 
+    ATTRS = ("expanded", "channels", "kernel", "stride", "expand_post_ops",
+             "depthwise_post_ops", "post_ops")
+
     def infer(self, node, types):
         a = node.attrs
+        missing = [k for k in self.ATTRS if k not in a]
+        if missing or len(types) < 6:
+            raise ArgumentError(f"{node.name}: an inverted_residual node is made by the fusion "
+                                f"pass from three conv2d nodes (Graph(fuse=...)); add those "
+                                f"instead (got attrs {sorted(a)}, {len(types)} inputs)")
         (src, dt), (w, _) = types[0], types[5]
         out = (src[0], int(w[0]), *((n - 1) // s + 1 for n, s in zip(src[2:], a["stride"])))
         return [(out, dt)]
