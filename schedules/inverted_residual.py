@@ -7,8 +7,9 @@ Per band:
 1. ``expand`` + ``expanded``: the 1x1 expansion for the band's input rows and the depthwise
    window's halo rows above and below (recomputed by the neighbouring band: the price of
    independent tasks), register-tiled as a GEMM (``mu`` channel blocks x ``mr`` pixels of
-   vector accumulators, the source's channel block unrolled), then bias, activation and the
-   zero border, into a band buffer of ``rows * stride + kernel - stride`` rows;
+   vector accumulators, the reduction unrolled in steps within a source channel block), then
+   bias, activation and the zero border, into a band buffer of ``rows * stride + kernel -
+   stride`` rows;
 2. per output row: ``depthwise`` + ``depthwise_out`` for every expanded channel of the row,
    ``mr`` pixels x one channel block of accumulators with the kernel taps unrolled;
 3. the projection of that row (``acc``), tiles of a few output-channel blocks x ``mr``
@@ -26,6 +27,8 @@ the generic rule computes the stages whole, slower and equal.
 """
 
 from __future__ import annotations
+
+import math
 
 from tvm import s_tir
 
@@ -173,8 +176,8 @@ def _schedule(func, target, band_bytes, min_bands):
     sch.compute_at(ex, e_h, preserve_unit_loops=True)
     *_, x_eb, x_h, x_w, x_e, rc = sch.get_loops(ex)
     src_block = _source_block(sch.get(ex))
-    reduce = sch.split(rc, [None, src_block]) \
-        if src_block > 1 and int(sch.get(rc).extent) % src_block == 0 else [rc]
+    step = math.gcd(src_block, int(sch.get(rc).extent))   # whole steps within a source block
+    reduce = sch.split(rc, [None, step]) if step > 1 else [rc]
     shape = (int(sch.get(x_eb).extent), int(sch.get(x_w).extent), cb)
     _, tile = _gemm_tile(sch, (x_eb, x_w, x_e), shape, lanes, regs, reduce)
     sch.set_scope(ex, 0, "global")   # a row of the band: too big for registers
