@@ -34,7 +34,7 @@ from tvm import s_tir
 
 from blockpad.vocabulary import ACC, DEPTHWISE, DEPTHWISE_OUT, DST, EXPAND, EXPANDED
 
-from .common import tile_scope, vector_lanes
+from .common import divisor_at_most, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .rule import ScheduleRule, distinct
 
@@ -157,7 +157,7 @@ def _schedule(func, target, band_bytes, min_bands):
     out = blocks[DEPTHWISE_OUT]
     sch.compute_at(out, ohi, preserve_unit_loops=True)
     *_, d_n, d_eb, d_oh, d_ow, d_e = sch.get_loops(out)
-    m = max((d for d in range(1, 9) if ow_n % d == 0), default=1)
+    m = divisor_at_most(ow_n, 8)
     d_owo, d_owi = sch.split(d_ow, [None, m])
     d_eo, d_ei = sch.split(d_e, [None, lanes])
     sch.reorder(d_eb, d_eo, d_owo, d_owi, d_ei)

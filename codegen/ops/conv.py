@@ -46,7 +46,7 @@ from blockpad.errors import SpecError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
 
 from . import postops, quant, winograd
-from .common import OpDef, Source, int_pair, materialize, plan_for
+from .common import OpDef, Source, int_pair, materialize, plan_for, reduced_channels
 
 TENSORS = ("src", "weights", *postops.TENSORS, "dst")
 PARAMS = {"channels": None, "kernel": [1, 1], "stride": [1, 1], "pad": [0, 0],
@@ -138,15 +138,10 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
     (sh, sw), (dh, dw), (kh, kw) = geo.stride, geo.dilation, geo.kernel
     ph, pw = (before for before, _ in geo.pad)
     cg, kg = geo.c // groups, geo.k // groups
-    # groups = 1: reduce over whole channel blocks where source and weights both have them
-    c_red = min(src.padded_shape[1], wei.padded_shape[1]) if groups == 1 else cg
-    if groups == 1 and src.dtype == "float32":
-        # float32 reduces over the channels rounded up to 8 only: 24 channels on nChw16c
-        # multiplied 8 zeros a pixel (AVX2, 1 thread: 1x1 24 -> 144 at 56x56 0.395 -> 0.312
-        # ms, 3x3 24 -> 64 at 28x28 0.327 -> 0.254, 1x1 40 -> 240 at 28x28 0.215 -> 0.184).
-        # Integer and bf16 kernels keep whole blocks: their dot products take 4 or 2 channels
-        # a step from packed weights.
-        c_red = min(c_red, -(-cg // 8) * 8)
+    # groups = 1: reduce over the channel blocks source and weights both have (float32: at most
+    # the channels rounded up to 8)
+    c_red = reduced_channels(cg, src, wei, 8 if src.dtype == "float32" else None) \
+        if groups == 1 else cg
     reduces_over_padding = c_red > cg
     halo_covers = all(p[0] <= h[0] and p[1] <= h[1]
                       for p, h in zip(geo.pad, src.paddings[2:]))

@@ -31,10 +31,11 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from blockpad.errors import SpecError
+from blockpad.layout import window_out_size
 from blockpad.vocabulary import DEPTHWISE, DEPTHWISE_OUT, EXPAND, EXPANDED
 
 from . import eltwise, postops
-from .common import OpDef, Source, int_pair, materialize, plan_for
+from .common import OpDef, Source, int_pair, materialize, plan_for, reduced_channels
 
 INNER = ("src", "expand_weights", "expand_bias", "depthwise_weights", "depthwise_bias", "weights")
 TENSORS = (*INNER, *postops.TENSORS, "dst")
@@ -69,7 +70,9 @@ def _check(shape, dtype, expanded, channels, kernel, stride, expand_post_ops,
 
 
 def out_hw(h, w, kernel, stride) -> tuple:
-    return tuple((n - 1) // s + 1 for n, s in zip((h, w), stride))
+    """The depthwise stage's output size: its window padded by kernel // 2 on each side."""
+    return tuple(window_out_size(n, k, s, (k // 2, k // 2))
+                 for n, k, s in zip((h, w), kernel, stride))
 
 
 def signature(shape, dtype, params):
@@ -93,12 +96,8 @@ def make(layouts, name, policy, expanded=None, channels=None, kernel=(3, 3), str
     ph, pw = kh // 2, kw // 2
     cb = dst.blocks[1] if dst.blocks[1] > 1 else 8
     eb = -(-expanded // cb)
-    # reduce over whole channel blocks where the source and the expansion weights both have them
-    # the expansion reduces over the source's channels rounded up to 8, within what the source
-    # and the weights both hold: not over whole blocks (24 channels on nChw16c would multiply
-    # 8 zeros a pixel: MobileNetV2's 56x56 blocks, AVX2, 1 thread, 1.04 -> 0.95 ms and 0.53 ->
-    # 0.43 ms with the same bytes)
-    c_red = min(src.padded_shape[1], layouts["expand_weights"].padded_shape[1], -(-c // 8) * 8)
+    # the expansion reduces over the source's channels rounded up to 8 (reduced_channels)
+    c_red = reduced_channels(c, src, layouts["expand_weights"], 8)
     acc_type = postops.types(src.dtype)[1]
     zero = tirx.const(0, acc_type)
 
