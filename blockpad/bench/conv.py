@@ -272,27 +272,19 @@ def _matmul_peers(arrays):
 
 
 def _reference(op, params, arrays):
-    from blockpad.check.reference import conv  # float64, not the graph's fallback
-    from blockpad.layout import pad_sides
+    if op == "conv2d":   # blockpad check's float64 convolution, not the graph's fallback
+        from blockpad.check.reference import conv
+        from blockpad.layout import pad_sides
 
-    def direct(x, w, pad, stride=(1, 1), groups=1):
-        x = np.pad(x.astype(np.float64), ((0, 0), (0, 0), *pad_sides(pad)))
-        return conv(x, w.astype(np.float64), {"stride": stride, "pad": (0, 0),
-                                              "dilation": params.get("dilation", (1, 1)),
-                                              "groups": groups})
+        x = np.pad(arrays["src"].astype(np.float64), ((0, 0), (0, 0), *pad_sides(params["pad"])))
+        return conv(x, arrays["weights"].astype(np.float64),
+                    {"stride": params["stride"], "pad": (0, 0),
+                     "dilation": params.get("dilation", (1, 1)),
+                     "groups": params.get("groups", 1)})
+    if op == "inverted_residual":   # blockpad check's: three float64 convolutions
+        from blockpad.check.reference import inverted_residual
 
-    if op == "conv2d":
-        return direct(arrays["src"], arrays["weights"], params["pad"], params["stride"],
-                      params.get("groups", 1))
-    if op == "inverted_residual":   # relu6 both inner stages, as examples/bench_host.toml
-        channel = (slice(None), None, None)
-        e = np.clip(direct(arrays["src"], arrays["expand_weights"], 0)
-                    + arrays["expand_bias"][channel], 0, 6)
-        kh, kw = params["kernel"]
-        d = np.clip(direct(e, arrays["depthwise_weights"], [kh // 2, kw // 2], params["stride"],
-                           e.shape[1]) + arrays["depthwise_bias"][channel], 0, 6)
-        y = direct(d, arrays["weights"], 0) + arrays["bias"][channel]
-        return y + arrays["sum"] if "sum" in arrays else y
+        return inverted_residual(params, arrays)[0]
     return arrays["src"].astype(np.float64) @ arrays["weights"].astype(np.float64)
 
 

@@ -598,8 +598,8 @@ class InvertedResidual(OpInfo):
                                 f"pass from three conv2d nodes (Graph(fuse=...)); add those "
                                 f"instead (got attrs {sorted(a)}, {len(types)} inputs)")
         (src, dt), (w, _) = types[0], types[5]
-        out = (src[0], int(w[0]), *((n - 1) // s + 1 for n, s in zip(src[2:], a["stride"])))
-        return [(out, dt)]
+        pad = [k // 2 for k in a["kernel"]]
+        return [(conv_out_shape(src, int(w[0]), a["kernel"], a["stride"], pad, (1, 1)), dt)]
 
     def _request(self, node, types, lays, graph):
         a = node.attrs
@@ -612,7 +612,7 @@ class InvertedResidual(OpInfo):
                             shape=types[0][0], dtype=types[0][1])
 
     def choices(self, node, types, homes, graph):
-        (src, dt), (w1, _), (b1, _), (wd, _), _, (w2, _) = types[:6]
+        (src, dt), (w1, _), (b1, _), (wd, _), (bd, _), (w2, _) = types[:6]
         (out, _), = self.infer(node, types)
         dw_shape = (wd[0], 1, 1, *wd[2:])
         args = [("in", i) for i in range(len(types))] + [("out", 0)]
@@ -620,7 +620,7 @@ class InvertedResidual(OpInfo):
         for block in graph.conv_blocks(max(src[1], w1[0]), out[1], 1):
             tag = graph.weight_tag(block, 1, False, dt)
             lays = [blocked(src, dt, block), Layout(tag, tuple(w1), dt), plain(b1, dt),
-                    Layout(graph.weight_tag(block, wd[0], True, dt), dw_shape, dt), plain(b1, dt),
+                    Layout(graph.weight_tag(block, wd[0], True, dt), dw_shape, dt), plain(bd, dt),
                     Layout(tag, tuple(w2), dt),
                     *(plain(*t) if len(t[0]) == 1 else blocked(*t, block) for t in types[6:]),
                     blocked(out, dt, block)]
@@ -628,7 +628,7 @@ class InvertedResidual(OpInfo):
                                       self._request(node, types, lays, graph), args,
                                       f"nChw{block}c"))
         lays = [plain(src, dt), Layout("oihw", tuple(w1), dt), plain(b1, dt),
-                Layout("goihw", dw_shape, dt), plain(b1, dt), Layout("oihw", tuple(w2), dt),
+                Layout("goihw", dw_shape, dt), plain(bd, dt), Layout("oihw", tuple(w2), dt),
                 *(plain(*t) for t in types[6:]), plain(out, dt)]
         out_lays.append(Candidate(lays[:-1], lays[-1:], lambda inplace, lays=lays:
                                   self._request(node, types, lays, graph), args, "plain"))

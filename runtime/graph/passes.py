@@ -282,6 +282,10 @@ def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
     return nodes, fused
 
 
+#: ``_conv_shape`` of a 1x1 convolution: stride 1, no padding, dense, one group
+POINTWISE = ((1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 1)
+
+
 def _conv_shape(attrs, weights) -> tuple:
     """(kernel, stride, pad per side, dilation, groups) of a float conv2d node."""
     return (tuple(weights[2:]), tuple(attrs["stride"]), pad_sides(attrs["pad"]),
@@ -327,8 +331,7 @@ def fuse_inverted_residuals(nodes, protected, types, constant):
                      "kernel": [int(kh), int(kw)], "stride": list(b.attrs["stride"]),
                      "expand_post_ops": _bias_then_eltwise(a.attrs["post_ops"]),
                      "depthwise_post_ops": _bias_then_eltwise(b.attrs["post_ops"]),
-                     "post_ops": list(c.attrs["post_ops"]), "sum": c.attrs["sum"],
-                     "fused": [a.name, b.name, c.name]},
+                     "post_ops": list(c.attrs["post_ops"])},
                     orig_outputs=list(c.orig_outputs))
         nodes[k] = node
         del nodes[j]
@@ -352,7 +355,7 @@ def _inverted_residual_at(nodes, i, protected, types, constant):
     if not _fusable_conv(a, types, constant, inputs=3):
         return None
     (src, dt), (w, _) = types(a)[:2]
-    if _conv_shape(a.attrs, w) != ((1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 1) \
+    if _conv_shape(a.attrs, w) != POINTWISE \
             or _bias_then_eltwise(a.attrs["post_ops"]) is None \
             or math.prod((src[0], w[0], *src[2:])) * np.dtype(dt).itemsize < FUSE_EXPANDED_BYTES:
         return None
@@ -360,8 +363,6 @@ def _inverted_residual_at(nodes, i, protected, types, constant):
     if j is None or not _fusable_conv(nodes[j], types, constant, inputs=3):
         return None
     b = nodes[j]
-    if b.inputs[0] != a.outputs[0]:
-        return None
     wd = types(b)[1][0]
     kernel, _, pad, dilation, groups = _conv_shape(b.attrs, wd)
     if groups != w[0] or wd[0] != w[0] or wd[1] != 1 or dilation != (1, 1) \
@@ -373,8 +374,7 @@ def _inverted_residual_at(nodes, i, protected, types, constant):
     if k is None or not _fusable_conv(nodes[k], types, constant, inputs=None):
         return None
     c = nodes[k]
-    if nodes[k].inputs[0] != b.outputs[0] or \
-            _conv_shape(c.attrs, types(c)[1][0]) != ((1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 1):
+    if _conv_shape(c.attrs, types(c)[1][0]) != POINTWISE:
         return None
     # the fused node runs in the projection's place: nothing in between may write what the
     # expansion and the depthwise read
@@ -396,12 +396,13 @@ def _fusable_conv(n, types, constant, inputs):
 
 
 def _only_reader(nodes, i, protected):
-    """The index of the one op reading node ``i``'s result (once), if the result is not one
-    the caller reads; else None."""
+    """The index of the one op reading node ``i``'s result, once and as its source (input 0),
+    if the result is not one the caller reads; else None."""
     out = nodes[i].outputs[0]
     if out in protected:
         return None
     rs = readers(nodes, i, out)
-    if len(rs) != 1 or nodes[rs[0]].inputs.count(out) != 1 or out in nodes[rs[0]].outputs:
+    if len(rs) != 1 or nodes[rs[0]].inputs.count(out) != 1 or nodes[rs[0]].inputs[0] != out \
+            or out in nodes[rs[0]].outputs:
         return None
     return rs[0]
