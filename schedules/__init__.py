@@ -39,4 +39,10 @@ RULES = {
 
 def schedule(func: tvm.tirx.PrimFunc, target) -> tvm.tirx.PrimFunc:
     """Apply the first rule of ``target.family`` that takes ``func``; return the scheduled func."""
-    return first_match(RULES[target.family], func, target)[1].mod["main"]
+    return finish(first_match(RULES[target.family], func, target)[1].mod["main"], target)
+
+
+def finish(func: tvm.tirx.PrimFunc, target) -> tvm.tirx.PrimFunc:
+    """What every scheduled function of ``target.family`` gets before TVM lowers it, whichever
+    rule (or tuning variant) scheduled it: on CUDA, reduction predicates TVM would drop."""
+    return cuda.reduction_predicates_kept(func) if target.family == "cuda" else func

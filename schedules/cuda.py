@@ -30,6 +30,8 @@ from tvm import s_tir, tirx
 from .common import is_true
 from .rule import ScheduleRule
 
+SPATIAL = 0   # IterVar type of a spatial block iter var (1: reduction)
+
 THREADS = 256   # threads per block: 8 warps, enough to hide latency at full occupancy
 TENSOR_CORE_MIN = 64   # dlight's minimal_tensorize_threshold: M, N and K must each exceed it
 
@@ -173,6 +175,27 @@ def predicated_schedule(func, steps, align=None):
     except s_tir.ScheduleError:
         return None
     return s_tir.Schedule(kept.restore(restore(sch.mod["main"])))
+
+
+def reduction_predicates_kept(func):
+    """``func`` with each predicated reduction block's predicate written as a conjunction.
+
+    TVM's cross-thread reduction (``LowerCrossThreadReduction``) gives the block that stores
+    the result (``<name>_write_back``) the clauses of the original predicate that use no
+    reduction loop, but it collects them from ``And`` nodes only: a predicate of one clause
+    (``threadIdx.y < 5``, a row split that leaves threads without a row) is dropped, and every
+    thread stores. On an H100 the rows of threads past a softmax's last row of statistics
+    stored the reduction's identity (-FLT_MAX, 0: inf and NaN, seed 12 case 98), or wrote
+    past the end of the statistics' shared buffer. ``p && p`` is the same predicate, and the
+    pass keeps it; it runs before any simplifier."""
+    def keep(realize):
+        pred = realize.predicate
+        reduces = any(iv.iter_type != SPATIAL for iv in realize.block.iter_vars)
+        if not reduces or is_true(pred) or isinstance(pred, tirx.And):
+            return realize
+        return s_tir.SBlockRealize(realize.iter_values, tirx.And(pred, pred), realize.block)
+
+    return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, keep))
 
 
 def _substitute(expr, mapping: dict):

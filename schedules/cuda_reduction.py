@@ -35,11 +35,10 @@ from tvm import s_tir, tirx
 
 from blockpad.vocabulary import ACC, DST, EXP, MAX, NORM, SUM
 
-from .cuda import THREADS, bind_spatial, loop_depth, pow2_above, predicated_schedule, uses
+from .cuda import SPATIAL, THREADS, bind_spatial, loop_depth, pow2_above, predicated_schedule, uses
 from .rule import ScheduleRule
 
 EXP_BYTES = 32 << 10   # the largest exp tile kept in shared memory
-SPATIAL = 0            # IterVar type
 
 
 class Softmax(ScheduleRule):

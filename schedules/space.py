@@ -24,7 +24,7 @@ import tvm
 
 from blockpad.vocabulary import OP_ATTR
 
-from . import RULES
+from . import RULES, finish
 from .rule import first_match
 
 #: Attributes that name a kernel rather than describe its computation: a record must match the
@@ -48,4 +48,4 @@ def variants(func, target) -> list:
     that takes ``func``: its ``space`` where that is not empty, else its one schedule; the rule's
     default first."""
     rule, sch = first_match(RULES[target.family], func, target)
-    return [s.mod["main"] for s in rule.space(func, target) or [sch]]
+    return [finish(s.mod["main"], target) for s in rule.space(func, target) or [sch]]
