@@ -44,5 +44,8 @@ def schedule(func: tvm.tirx.PrimFunc, target) -> tvm.tirx.PrimFunc:
 
 def finish(func: tvm.tirx.PrimFunc, target) -> tvm.tirx.PrimFunc:
     """What every scheduled function of ``target.family`` gets before TVM lowers it, whichever
-    rule (or tuning variant) scheduled it: on CUDA, reduction predicates TVM would drop."""
-    return cuda.reduction_predicates_kept(func) if target.family == "cuda" else func
+    rule (or tuning variant) scheduled it: on CUDA, reduction predicates TVM would drop and
+    vector selects its code generator cannot print."""
+    if target.family != "cuda":
+        return func
+    return cuda.selects_unvectorized(cuda.reduction_predicates_kept(func))

@@ -198,6 +198,28 @@ def reduction_predicates_kept(func):
     return tvm_ffi.structural_map(func, (s_tir.SBlockRealize, keep))
 
 
+def selects_unvectorized(func):
+    """``func`` with each vectorized loop whose body selects (``T.Select``) unrolled instead.
+
+    TVM's CUDA code generator declares a vector select's condition with the select's own
+    type: ``float2 v = make_ushort2((bool)0, (bool)0)``, which nvcc refuses (seed 1 case 274:
+    a uint8 matmul into ``Ab4a``, bias + tanh, whose epilogue dlight's rule vectorizes by 2;
+    tanh's NaN check and the padding's zero are selects). Unrolled, each lane selects in
+    scalar code; the loops concerned are epilogue stores of a few lanes."""
+    def has_select(stmt) -> bool:
+        found = []
+        tvm_ffi.structural_walk(stmt, (tirx.Select, lambda e: found.append(e)))
+        return bool(found)
+
+    def unvectorize(loop):
+        if loop.kind != tirx.ForKind.VECTORIZED or not has_select(loop.body):
+            return loop
+        return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.UNROLLED, loop.body,
+                        loop.thread_binding, loop.annotations)
+
+    return tvm_ffi.structural_map(func, (tirx.For, unvectorize))
+
+
 def _substitute(expr, mapping: dict):
     return tvm_ffi.structural_map(expr, (tirx.Var, lambda v: next(
         (new for old, new in mapping.items() if v.same_as(old)), v)))

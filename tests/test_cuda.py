@@ -567,6 +567,15 @@ OPS = {   # small shapes; channel tails (C = 20, 30), ragged tiles, every paddin
     # the rows' predicate from the statistic's store (seed 12 case 98 on an H100: inf, NaN)
     "softmax_one_row": {"op": "softmax", "shape": [5, 1, 6, 5, 9], "axis": 0,
                         "src": "dceAB8b16a", "dst": "dceAB8b16a"},
+    # built nothing before (seed 1 on an H100 host): a vector select nvcc refused (the
+    # epilogue of dlight's matmul, vectorized), and a channel tile across conv groups whose
+    # shared copy changes size per block (TVM's CanProveDivisible)
+    "matmul_u8_select": {"op": "matmul", "shape": [11, 7], "dtype": "uint8", "n": 24,
+                         "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "tanh"}],
+                         "src": "ab", "weights": "ab", "dst": "Ab4a"},
+    "grouped_tile_across_groups": {"op": "conv2d", "shape": [1, 24, 3, 9], "channels": 18,
+                                   "groups": 3, "kernel": [5, 5], "stride": [1, 3], "pad": [4, 3],
+                                   "src": "nhwC8c", "weights": "goIhw8i", "dst": "nchw"},
     "pool_avg": {"op": "pool", "shape": [2, 30, 8, 8], "algorithm": "avg", "kernel": [3, 3],
                  "stride": [2, 2], "pad": [1, 1], "src": "nChw16c", "dst": "nChw16c"},
     "pool_max_stage": {"op": "pool", "shape": [2, 30, 9, 9], "kernel": [3, 3], "stride": [2, 2],
@@ -641,6 +650,22 @@ def test_softmax_reduces_across_threads(ops_lib):
             if "threadIdx.y" not in store.group(1):
                 assert "threadIdx.y" not in reduce, (name, store.group(0))
     assert "T.where(" in (out / "source" / "softmax_stage.tir.py").read_text()
+
+
+def test_what_nvcc_or_tvm_refused_builds(ops_lib):
+    """The two CUDA build failures of seed 1 build (ops_lib would not exist otherwise): no
+    select left in a vectorized loop, and the cross-group tile on the fallback rule."""
+    cc, out = ops_lib
+    lines = (out / "source" / "matmul_u8_select.tir.py").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if "T.Select(" in line)
+    indent, loops = len(lines[at]) - len(lines[at].lstrip()), []
+    for line in reversed(lines[:at]):     # the loops around the select
+        depth = len(line) - len(line.lstrip())
+        if depth < indent and line.lstrip().startswith("for "):
+            loops.append(line)
+        indent = min(indent, depth)
+    assert loops and not any("T.vectorized(" in loop for loop in loops), loops
+    assert 'scope="shared"' not in (out / "source" / "grouped_tile_across_groups.tir.py").read_text()
 
 
 def test_pool_reduces_its_window_in_a_register(ops_lib):
