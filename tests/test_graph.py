@@ -304,6 +304,22 @@ def test_frozen_weights_refresh_explicitly(cache, rng):
     assert np.allclose(res["eltwise_1"].numpy(), ref(xv, w1, w2), atol=1e-5)
 
 
+def test_a_constant_read_as_it_is_follows_set_constant(cache, rng):
+    """A bias is read by its convolution as it is (no prepared layout): the run binds it once
+    and again only after set_constant gave the graph another array."""
+    rng1 = np.random.default_rng(7)
+    w1, w2 = arr(rng1, (MID, X[1], 3, 3), 0.2), arr(rng1, (X[1], MID, 3, 3), 0.2)
+    g, _ = _frozen_block(cache, w1, w2)
+    xv = arr(rng, X)
+    g.run(x=xv)
+    b1 = arr(rng1, (MID,))
+    g.set_constant("b1", b1)
+    h = np.maximum(ref_conv(xv, w1, b1, pad=1), 0)
+    want = sigmoid(ref_conv(h, w2, pad=1) + xv)
+    for _ in range(2):   # and stays bound to it
+        assert np.allclose(g.run(x=xv)["eltwise_1"].numpy(), want, atol=1e-5)
+
+
 def _frozen_block(cache, w1, w2):
     b1 = arr(np.random.default_rng(1), (MID,))
     g = bp.Graph(cache=cache, weights="frozen")

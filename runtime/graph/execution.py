@@ -48,6 +48,13 @@ class Runner:
         self.runtime = MemoryRuntime(plan.policy, cache)
         self._pool: list = []
         self._pool_lock = threading.Lock()
+        self._weights = None   # buffer id -> prepared Memory, the same objects every run
+        # what the report says of the plan, the same every run
+        self._inplace = [s.label for s in plan.steps if s.inplace]
+        self._fused = [" + ".join(names) for names in plan.fused]
+        self._weight_bytes = sum(b.layout.nbytes for _, b in plan.weight_bufs)
+        self._kernels = sum(1 for s in plan.steps if s.kernel is not None)
+        self._reorders = sum(1 for s in plan.steps if s.kind == "reorder")
 
     @contextmanager
     def arena(self):
@@ -70,23 +77,25 @@ class Runner:
         start = time.perf_counter()
         with counters.scope() as zp:
             self.weights.refresh(report)
-            weights = {}
-            for cname, buf in plan.weight_bufs:
-                weights[buf.id] = self.weights.prepare(cname, buf.layout, report)
+            if self._weights is None:
+                # prepared once: a change of a constant re-reorders into the same Memory
+                self._weights = {buf.id: self.weights.prepare(cname, buf.layout, report)
+                                 for cname, buf in plan.weight_bufs}
             with self.arena() as exe:
-                outs = exe.run(given, weights, report, clean, stream)
+                outs = exe.run(given, self._weights, report, clean, stream)
         report.zero_pad_calls = zp.calls
         report.zero_pad_bytes = zp.bytes
         report.zero_pad_blocking = zp.blocking_calls
         report.run_seconds = time.perf_counter() - start
         report.seconds = plan_seconds + report.run_seconds
         report.ops = self.ops
-        report.inplace = [s.label for s in plan.steps if s.inplace]
-        report.fused = [" + ".join(names) for names in plan.fused]
+        report.kernels, report.reorders = self._kernels, self._reorders
+        report.inplace = list(self._inplace)
+        report.fused = list(self._fused)
         report.fallbacks = dict(plan.fallbacks)
         report.peak_bytes = plan.peak_bytes
         report.arena_bytes = plan.arena_bytes
-        report.weight_bytes = sum(b.layout.nbytes for _, b in plan.weight_bufs)
+        report.weight_bytes = self._weight_bytes
         report.cache = (self.cache.stats() - before_cache).as_dict()
         lock = threading.Lock()
         return Results({n: Result(n, m, self.cache, report, lock) for n, m in outs.items()},
@@ -125,6 +134,16 @@ class _Execution:
         for b in plan.bufs:
             if b.storage.kind == "arena" and b.layout.has_padding:
                 self._slot_mems.setdefault(b.storage.slot, set()).add(self.mems[b.id])
+        # the buffers given per run, by kind, in plan order (an arena's are bound once)
+        given = [(b, self.mems[b.id]) for b in plan.bufs if b.storage.kind != "arena"]
+        self._inputs = [(b, m) for b, m in given if b.storage.kind == "input"]
+        self._constants = [(b, m) for b, m in given
+                           if b.storage.kind == "constant" and b.storage.last is not None]
+        self._weight_mems = [(b, m) for b, m in given if b.storage.kind == "weight"]
+        self._outputs = [(b, m) for b, m in given if b.storage.kind == "output"]
+        self._unique_mems = list({id(m): m for m in self.mems.values()}.values())
+        self._weights_of = None    # the weights dict the weight memories point into
+        self._constants_of = None  # the WeightCache version the constant memories point into
         self.stream = None
         self.calls = []
         self._bound = False
@@ -209,42 +228,44 @@ class _Execution:
     def run(self, given, weights, report, clean=frozenset(), stream=None):
         plan = self.plan
         self.stream = stream
-        for b in plan.bufs:
+        for b, mem in self._inputs:
             s = b.storage
-            mem = self.mems[b.id]
-            if s.kind == "input":
-                value = given[s.value]
-                mem.buffer, mem.state = _input_buffer(value, b.layout)
-                if s.value in clean:
-                    mem.state = CLEAN          # the caller vouches for its padding
-                if mem.state != CLEAN and plan.policy == "user" and stream is not None:
-                    # set_data_handle(buf, clean=False, stream): zeroed on the stream; the
-                    # kernels reading it wait for that (a read-only buffer is copied there)
-                    mem.set_data_handle(mem.buffer, stream=stream)
-                elif mem.state != CLEAN and plan.policy not in ("tracked", "src"):
-                    # the caller's memory has padding of unknown content: the policy's kernels
-                    # trust it clean, so zero it now (a read-only buffer is copied, not written)
-                    zero_pad(mem, blocking=True)
-                    if isinstance(value, Memory) and mem.buffer is value.buffer:
-                        value.state = CLEAN
-            elif s.kind == "constant" and s.last is not None:   # read as it is by a step
-                mem.buffer, mem.state = self._flat(s.value), CLEAN
-            elif s.kind == "weight":
+            value = given[s.value]
+            mem.buffer, mem.state = _input_buffer(value, b.layout)
+            if s.value in clean:
+                mem.state = CLEAN          # the caller vouches for its padding
+            if mem.state != CLEAN and plan.policy == "user" and stream is not None:
+                # set_data_handle(buf, clean=False, stream): zeroed on the stream; the
+                # kernels reading it wait for that (a read-only buffer is copied there)
+                mem.set_data_handle(mem.buffer, stream=stream)
+            elif mem.state != CLEAN and plan.policy not in ("tracked", "src"):
+                # the caller's memory has padding of unknown content: the policy's kernels
+                # trust it clean, so zero it now (a read-only buffer is copied, not written)
+                zero_pad(mem, blocking=True)
+                if isinstance(value, Memory) and mem.buffer is value.buffer:
+                    value.state = CLEAN
+        if self._constants_of != self.weights.version:   # a constant read as it is by a step
+            for b, mem in self._constants:
+                mem.buffer, mem.state = self._flat(b.storage.value), CLEAN
+            self._constants_of = self.weights.version
+        if self._weights_of is not weights:
+            for b, mem in self._weight_mems:
                 w = weights[b.id]
                 mem.buffer, mem.state = w.buffer, w.state
-            elif s.kind == "output":
-                if b is s.bufs[0]:
-                    fresh = aligned_empty(s.nbytes, np.uint8)
-                mem.buffer = fresh[:b.layout.nbytes].view(numpy_dtype(b.layout.dtype))
-                mem.state = UNKNOWN                 # a new buffer: its padding is anything
+            self._weights_of = weights
+        for b, mem in self._outputs:
+            s = b.storage
+            if b is s.bufs[0]:
+                fresh = aligned_empty(s.nbytes, np.uint8)
+            mem.buffer = fresh[:b.layout.nbytes].view(numpy_dtype(b.layout.dtype))
+            mem.state = UNKNOWN                 # a new buffer: its padding is anything
         if not self._bound:
             self._bind(weights)
         for call in self.calls:
             call()
-        for mem in self.mems.values():
-            mem.wait()       # a zero-pad on the stream that no kernel waited for (none expected)
-        report.kernels = sum(1 for s in plan.steps if s.kernel is not None)
-        report.reorders = sum(1 for s in plan.steps if s.kind == "reorder")
+        if stream is not None:
+            for mem in self._unique_mems:
+                mem.wait()   # a zero-pad on the stream that no kernel waited for (none expected)
         outs = {}
         for name, b in plan.outputs.items():
             mem = self.mems[b.id]

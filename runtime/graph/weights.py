@@ -36,6 +36,7 @@ class WeightCache:
         self.cache = cache
         self.mode = mode
         self.arrays: dict = {}        # name -> array (the caller's, or a snapshot if frozen)
+        self.version = 0              # bumped whenever ``arrays`` gets another object
         self._prepared: dict = {}     # (name, Layout) -> prepared Memory
         self._kept: dict = {}         # name -> a copy of its bytes when it was reordered
         self._stale: set = set()
@@ -45,6 +46,7 @@ class WeightCache:
 
     def add(self, name, array) -> None:
         self.arrays[name] = self._keep(array)
+        self.version += 1
 
     def add_prepacked(self, name, shape, dtype, memories) -> None:
         """``name`` known only in the layouts of ``memories`` (clean Memories of ``shape``, or
@@ -57,6 +59,7 @@ class WeightCache:
             self._prepared[(name, mem.layout)] = mem
         # shape and dtype for planning, no data: a stride-0 view of one zero
         self.arrays[name] = np.broadcast_to(np.zeros((), numpy_dtype(dtype)), shape)
+        self.version += 1
         self._prepacked.add(name)
 
     def set(self, name, array) -> None:
@@ -64,6 +67,7 @@ class WeightCache:
         layouts are re-reordered at the next ``refresh``."""
         with self._lock:
             self.arrays[name] = self._keep(array)
+            self.version += 1
             self._stale.add(name)
             self._prepacked.discard(name)
             if not fits_seven_bit(np.asarray(array)):
