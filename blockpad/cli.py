@@ -55,7 +55,7 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
     p.add_argument("what", choices=["reorder", "ops", "resnet", "isa", "conv", "matmul", "model",
-                                             "calls", "conv-int8", "int8"])
+                                             "calls", "conv-int8", "int8", "mixed"])
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
@@ -226,6 +226,11 @@ def _bench(args):
 
         int8.main((args.model,) if args.model else int8.MODELS, args.batch, args.hw,
                   repeat=args.repeat, threads=args.threads, target=args.target)
+        return
+    if args.what == "mixed":   # blockpad and PyTorch calling in turn in one process
+        from .bench import mixed
+
+        mixed.main(repeat=args.repeat, threads=args.threads, target=args.target)
         return
     if args.what == "calls":   # the Python call path's cost per call
         from .bench import calls
