@@ -28,8 +28,10 @@ def main(argv=None) -> int:
     p.set_defaults(run=_build)
 
     p = sub.add_parser("tune", help="autotune a spec's kernels into tuning_logs/<target>/")
-    p.add_argument("spec", help="TOML build spec")
-    p.add_argument("--target", default="host", help="target name (see `blockpad targets`)")
+    p.add_argument("spec", help="TOML build spec, or an ONNX model (.onnx): the kernels its "
+                   "plan calls, which `blockpad build model.onnx` then applies the records to")
+    p.add_argument("--target", default="host", help="target name (see `blockpad targets`; "
+                   "native: the widest this CPU runs)")
     p.add_argument("--trials", type=int, required=True, help="trials per kernel (at most)")
     p.add_argument("--out", help="tuning logs folder (default: the packaged tuning_logs/)")
     p.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on a device of this "
@@ -127,13 +129,20 @@ def _build(args):
 
 
 def _tune(args):
+    from .codegen.targets import native_target
     from .codegen.tune import Rpc, tune
 
     rpc = None
     if args.rpc_tracker or args.rpc_key:
         rpc = Rpc.parse(args.rpc_tracker or "", args.rpc_key)
+    spec = args.spec
+    if spec.endswith(".onnx"):   # the kernels the model's plan calls
+        from .model_build import model_spec
+
+        spec = model_spec(spec)
+    target = native_target() if args.target == "native" else args.target
     try:
-        tune(args.spec, args.target, args.trials, args.out, rpc)
+        tune(spec, target, args.trials, args.out, rpc)
     except KeyboardInterrupt:
         print("blockpad tune: interrupted; every finished trial is recorded, run the same "
               "command again to continue", file=sys.stderr)

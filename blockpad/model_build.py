@@ -123,10 +123,34 @@ def _entry_name(i, req) -> str:
     return f"k{i:03d}_{req.op}"
 
 
-def build_key(g: Graph, doc: dict, target) -> str:
+def model_spec(source, conv_algorithm="auto", log=None):
+    """The build spec of the kernels ``source``'s plan calls (a ``bp.Graph``, an ONNX path or
+    ModelProto), named as ``build_model`` names them: what ``blockpad tune model.onnx``
+    measures, so that building the model applies the records."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    g = _graph(source, conv_algorithm)
+    _, requests, refused = plan_kernels(g, log)
+    for r, why in refused.items():
+        log(f"  no kernel for {r}: {why}")
+    return _spec(g, requests)
+
+
+def _graph(source, conv_algorithm) -> Graph:
+    return source if isinstance(source, Graph) else \
+        Graph.from_onnx(source, conv_algorithm=conv_algorithm)
+
+
+def _spec(g: Graph, requests):
+    from blockpad.codegen.spec import parse_spec
+
+    entries = [r.entry(_entry_name(i, r)) for i, r in enumerate(requests)]
+    return parse_spec({"library": {"name": g.name}, "kernel": entries}, f"model {g.name}")
+
+
+def build_key(g: Graph, doc: dict, target, tuning_logs=None) -> str:
     """Everything the folder depends on: the graph, the constants' bytes, the target, TVM, the
-    code generator (with the tuning records) and the runtime's planner (with the cost model
-    that picks Winograd convolutions)."""
+    code generator (with the packaged tuning records, and ``tuning_logs``' for this target if
+    given) and the runtime's planner (with the cost model that picks Winograd convolutions)."""
     from blockpad import jit
 
     h = hashlib.sha256(json.dumps([doc, target.name, mf.tvm_version()], sort_keys=True).encode())
@@ -135,7 +159,9 @@ def build_key(g: Graph, doc: dict, target) -> str:
         h.update(f"{name} {a.shape} {a.dtype}".encode())
         h.update(a.view(np.uint8).reshape(-1))
     h.update(jit.fingerprint().encode())
-    for f in [Path(winograd.__file__), *sorted(Path(rm.__file__).parent.rglob("*.py"))]:
+    records = sorted((Path(tuning_logs) / target.name).glob("*.json")) if tuning_logs else []
+    for f in [Path(winograd.__file__), *sorted(Path(rm.__file__).parent.rglob("*.py")),
+              *records]:
         h.update(f.read_bytes())
     return h.hexdigest()
 
@@ -182,17 +208,15 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
     ``conv_algorithm``: an ONNX source's convolutions (``Graph.from_onnx``'s: ``auto`` or
     ``direct``)."""
     from blockpad.codegen.build import build
-    from blockpad.codegen.spec import parse_spec
     from blockpad.codegen.targets import get_target, native_target
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     start = time.perf_counter()
-    g = source if isinstance(source, Graph) else \
-        Graph.from_onnx(source, conv_algorithm=conv_algorithm)
+    g = _graph(source, conv_algorithm)
     target = get_target(native_target() if target == "native" else target)
     out_dir = os.fspath(out_dir)
     doc = rm.graph_doc(g)
-    key = build_key(g, doc, target)
+    key = build_key(g, doc, target, tuning_logs)
     if not force and _up_to_date(out_dir, key):
         log(f"{out_dir}: up to date ({len(g.nodes)} ops for {target.name}, build key "
             f"{key[:12]}); nothing to do")
@@ -203,10 +227,8 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
     for r, why in refused.items():
         log(f"  no kernel for {r}: {why}")
     log(f"the plan has {len(lines)} steps and calls {len(requests)} kernels")
-    entries = [r.entry(_entry_name(i, r)) for i, r in enumerate(requests)]
     os.makedirs(out_dir, exist_ok=True)
-    spec = parse_spec({"library": {"name": g.name}, "kernel": entries}, f"model {g.name}")
-    build(spec, target, out_dir, force=force, log=log, tuning_logs=tuning_logs)
+    build(_spec(g, requests), target, out_dir, force=force, log=log, tuning_logs=tuning_logs)
 
     from blockpad.runtime.library import load
 

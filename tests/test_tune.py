@@ -29,7 +29,7 @@ from blockpad.errors import SpecError
 from blockpad.schedules import space
 
 from .conftest import needs_cross_compiler
-from .test_conv_matmul import inputs, reference
+from .test_conv_matmul import conv_ref, inputs, reference
 
 TRIALS = 3
 CONV = {"name": "conv", "op": "conv2d", "shape": [1, 30, 6, 6], "channels": 20,
@@ -362,3 +362,48 @@ def test_cross_target_candidates_are_linked_for_the_device():
         header = f.read(20)
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # aarch64
     shutil.rmtree(built[0].artifact_path.rsplit("/", 1)[0])
+
+
+def test_a_model_is_tuned_by_the_kernels_its_plan_calls(tmp_path):
+    """``blockpad tune model.onnx``: the kernels the model's plan calls, named as its build
+    names them; building the model then applies the records, and a build made before them is
+    not "up to date" once they exist."""
+    pytest.importorskip("onnx", reason="pip install onnx (the [onnx] extra)")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from blockpad.model_build import build_model, model_spec
+
+    rng = np.random.default_rng(0)
+    inits = {"w0": rng.standard_normal((20, 12, 3, 3)).astype(np.float32) * 0.2,
+             "w1": rng.standard_normal((24, 20, 1, 1)).astype(np.float32) * 0.2}
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w0"], ["h"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["h"], ["r"]), helper.make_node("Conv", ["r", "w1"], ["y"])],
+        "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 12, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(a, n) for n, a in inits.items()])
+    path = tmp_path / "tiny.onnx"
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    path.write_bytes(m.SerializeToString())
+
+    spec = model_spec(str(path), log=lambda m: None)
+    out, logs = tmp_path / "model", tmp_path / "logs"
+    build_model(str(path), "host", out, log=lambda m: None)
+    built = json.loads((out / "manifest.json").read_text())["kernels"]
+    assert [k.name for k in spec.kernels] == [k["name"] for k in built if k["op"] != "zero_pad"]
+    assert not any(k["tuned"] for k in built)
+    assert main(["tune", str(path), "--target", "host", "--trials", "2", "--out",
+                 str(logs)]) in (0, None)
+    lines = []
+    build_model(str(path), "host", out, tuning_logs=logs, log=lines.append)
+    assert not any("up to date" in line for line in lines), lines
+    tuned = {k["name"] for k in json.loads((out / "manifest.json").read_text())["kernels"]
+             if k["tuned"]}
+    convs = {k.name for k in spec.kernels if k.op == "conv2d"}
+    assert convs and convs <= tuned
+    x = rng.standard_normal((1, 12, 6, 6)).astype(np.float32)
+    want = conv_ref(np.maximum(conv_ref(x, inits["w0"], pad=(1, 1)), 0), inits["w1"])
+    got = bp.load(out)(x)
+    assert np.allclose(got, want, atol=1e-4 * np.abs(want).max())
+
