@@ -683,8 +683,8 @@ def run_serially(func):
     becomes a serial loop (a block's threads one after the other: a cooperative copy then
     completes before the loop that reads it, as its barrier promises), shared and local buffers
     become plain memory. Local buffers are per thread on a GPU: each serial thread iteration
-    starts by filling the local buffers it touches with NaN, so a thread that read another
-    thread's registers would show NaN. Explicit barriers are dropped. What this does not
+    starts by filling the local buffers it touches with NaN (integers: -2^30 + 7), so a thread
+    that read another thread's registers would show it. Explicit barriers are dropped. What this does not
     check: TVM's own lowering after scheduling (barrier insertion, the all-reduce lowering,
     storage compaction) and nvcc: a missing barrier showed only on a GPU (blockpad check
     --run-built)."""
@@ -703,7 +703,8 @@ def run_serially(func):
 
     def poison(buf):
         idx = [tirx.Var(f"p{i}", "int32") for i in range(len(buf.shape))]
-        stmt = tirx.BufferStore(buf, tirx.const(float("nan"), str(buf.dtype)), idx)
+        garbage = float("nan") if "float" in str(buf.dtype) else -(1 << 30) + 7   # int32 acc
+        stmt = tirx.BufferStore(buf, tirx.const(garbage, str(buf.dtype)), idx)
         for v, n in reversed(list(zip(idx, buf.shape))):
             stmt = tirx.For(v, 0, n, tirx.ForKind.SERIAL, stmt)
         return stmt
