@@ -165,6 +165,14 @@ def test_model_refuses_bad_inputs_and_damaged_folders(built, tmp_path):
     (bad / MODEL).write_text(json.dumps(doc))
     with pytest.raises(bp.LoadError, match="plans the model differently"):
         bp.load(bad)
+    # the weights are read on a thread while the graph is planned: with both damaged, the
+    # load's own error is the one reported; with the plan intact, the short file's
+    (bad / WEIGHTS).write_bytes(bytes(raw[:-8]))
+    with pytest.raises(bp.LoadError, match="plans the model differently"):
+        bp.load(bad)
+    shutil.copy(out / MODEL, bad / MODEL)
+    with pytest.raises(bp.LoadError, match=rf"expected {len(raw)} bytes of weights"):
+        bp.load(bad)
 
 
 def test_prepacked_constant_is_never_read_in_another_layout():
