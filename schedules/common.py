@@ -7,6 +7,8 @@ from tvm import tirx
 
 from blockpad.vocabulary import OP_ATTR
 
+SPATIAL, REDUCE = 0, 2   # IterVar.iter_type: data parallel, commutative reduction
+
 
 def op_of(func) -> str | None:
     """The blockpad op a PrimFunc implements (set by codegen.kernel.finish)."""

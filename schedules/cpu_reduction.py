@@ -38,12 +38,11 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.vocabulary import ACC, DST, EXP, MAX, NORM, SOFTMAX_STAGES, SUM
 
-from .common import element_strides, vector_lanes
+from .common import REDUCE, SPATIAL, element_strides, vector_lanes
 from .data_movement import SERIAL_BYTES
 from .rule import ScheduleRule
 
 TILE_BYTES = 64 << 10    # softmax rows computed together: their source stays in L2 between passes
-SPATIAL, REDUCE = 0, 2   # IterVar types
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 

@@ -27,10 +27,8 @@ import threading
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from .common import is_true
+from .common import SPATIAL, is_true
 from .rule import ScheduleRule
-
-SPATIAL = 0   # IterVar type of a spatial block iter var (1: reduction)
 
 THREADS = 256   # threads per block: 8 warps, enough to hide latency at full occupancy
 TENSOR_CORE_MIN = 64   # dlight's minimal_tensorize_threshold: M, N and K must each exceed it
@@ -244,7 +242,7 @@ def _reduction_loop_vars(sch, block) -> list:
     realize = _get_realize(sch, block)
     out = []
     for iv, value in zip(sch.get(block).iter_vars, realize.iter_values):
-        if iv.iter_type != 0:   # 0: data parallel
+        if iv.iter_type != SPATIAL:
             out += list(tirx.analysis.undefined_vars(value))
     return out
 

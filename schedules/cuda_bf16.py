@@ -30,6 +30,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir import expr as ir_expr
 
+from .common import SPATIAL
 from .cuda import TENSOR_CORE_MIN
 
 BF16 = "bfloat16"
@@ -102,7 +103,7 @@ def _large_enough(func) -> bool:
     extents = []
 
     def visit(block):
-        if any(iv.iter_type != 0 for iv in block.iter_vars):   # 0: data parallel
+        if any(iv.iter_type != SPATIAL for iv in block.iter_vars):
             extents.extend(iv.dom.extent for iv in block.iter_vars)
 
     tvm_ffi.structural_walk(func, (s_tir.SBlock, visit))

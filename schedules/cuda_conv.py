@@ -41,6 +41,7 @@ from tvm import s_tir, tirx
 
 from blockpad.vocabulary import ACC, DST
 
+from .common import SPATIAL
 from .cuda import TENSOR_CORE_MIN, bind_spatial, dlight_style, loop_depth, pow2_above, predicated_schedule, uses
 from .generic import root_blocks
 from .halo import staged_source
@@ -128,8 +129,8 @@ class _Roles:
         src = _read(block, "src")
         src_index = _indices(block, src.source)
         self.extent = {l: int(sch.get(l).extent) for l in loops}
-        spatial = [l for l in loops if iv_of[l].iter_type == 0]
-        reduce = [l for l in loops if iv_of[l].iter_type != 0]
+        spatial = [l for l in loops if iv_of[l].iter_type == SPATIAL]
+        reduce = [l for l in loops if iv_of[l].iter_type != SPATIAL]
         self.channel = [l for l in spatial if _uses_region(wei, iv_of[l].var)]
         self.pixel = [l for l in spatial if l not in self.channel]
         pixel_vars = [iv_of[l].var for l in self.pixel]

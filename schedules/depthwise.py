@@ -34,13 +34,12 @@ from tvm import s_tir, tirx
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import divisor_at_most, tile_scope, vector_lanes
+from .common import SPATIAL, divisor_at_most, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source
 from .rule import ScheduleRule, distinct
 from .tile_edges import unpredicated, whole_tiles
 
-SPATIAL = 0
 STAGE = "src_pad"          # the stage halo.staged_source adds
 TASKS = 16                 # at least this many tasks where the rows allow (2..16 threads)
 

@@ -18,11 +18,10 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import is_true
+from .common import REDUCE, SPATIAL, is_true
 from .nest import substitute, uses
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
-SPATIAL, REDUCE = 0, 2   # IterVar types
 
 
 class DotShape:

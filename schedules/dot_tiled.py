@@ -60,7 +60,6 @@ from .nest import substitute
 from .rule import ScheduleRule
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
-SPATIAL, REDUCE = 0, 2   # IterVar types
 
 
 class DotTiled(ScheduleRule):

@@ -24,7 +24,7 @@ import tvm_ffi
 from tvm import s_tir
 
 from . import generic
-from .common import is_true, vector_lanes
+from .common import SPATIAL, is_true, vector_lanes
 from .nest import Nest
 from .rule import ScheduleRule
 from .vector_math import vector_math
@@ -51,7 +51,7 @@ class Elementwise(ScheduleRule):
 
 def _elementwise(sch, block, target):
     loops = sch.get_loops(block)
-    if not loops or any(iv.iter_type != 0 for iv in sch.get(block).iter_vars):
+    if not loops or any(iv.iter_type != SPATIAL for iv in sch.get(block).iter_vars):
         return
     lanes = vector_lanes(target, str(sch.get(block).writes[0].source.dtype))
     if int(sch.get(loops[-1]).extent) > lanes:

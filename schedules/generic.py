@@ -8,7 +8,7 @@ import math
 
 from tvm import s_tir
 
-from .common import vector_lanes
+from .common import SPATIAL, vector_lanes
 from .rule import ScheduleRule
 
 
@@ -34,10 +34,10 @@ def spatial_parallel_vectorize(sch, block, target, min_task=4096):
     elements), vectorised innermost loop when the stage is purely spatial."""
     loops = sch.get_loops(block)
     kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
-    spatial = all(k == 0 for k in kinds)   # 0: data-parallel iter var
+    spatial = all(k == SPATIAL for k in kinds)
     extents = [int(sch.get(l).extent) for l in loops]
     # an unscheduled TE stage has one loop per iter var, spatial ones first
-    n_spatial = sum(1 for k in kinds if k == 0)
+    n_spatial = sum(1 for k in kinds if k == SPATIAL)
     inner = None
     if spatial and loops:
         dtype = str(sch.get(block).writes[0].source.dtype)

@@ -53,14 +53,13 @@ from tvm import s_tir, tirx
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import is_true, tile_scope, vector_lanes
+from .common import REDUCE, SPATIAL, is_true, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source
 from .rule import ScheduleRule, distinct
 from .tile_edges import edge_parts, extent, unpredicated, whole_tiles
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
-SPATIAL, REDUCE = 0, 2   # IterVar types
 UNROLL = 16        # the innermost reduction loop is unrolled up to this many steps
 
 

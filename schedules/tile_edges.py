@@ -17,10 +17,10 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.vocabulary import ACC, DST
 
+from .common import SPATIAL
 from .nest import substitute
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
-SPATIAL = 0              # IterVar type
 CLAMPED_ROWS = 6   # the most rows of a tile that may read a clamped row (``edge_parts``)
 
 
