@@ -98,7 +98,8 @@ def _used(plan, asked) -> list:
 
 
 def plan_kernels(g: Graph, log) -> tuple:
-    """Plan ``g`` and return (plan lines, the kernel requests the plan calls, refusals)."""
+    """Plan ``g`` and return (plan lines, the kernel requests the plan calls); each kernel the
+    generator cannot make, which the plan falls back for, is logged."""
     failed, refused = set(), {}
     checked = set()
     while True:
@@ -114,7 +115,9 @@ def plan_kernels(g: Graph, log) -> tuple:
                 failed.add(r)
                 refused[str(r)] = why
         if not any(r in failed for r in new):
-            return plan.describe().splitlines(), used, refused
+            for r, why in refused.items():
+                log(f"  no kernel for {r}: {why}")
+            return plan.describe().splitlines(), used
         log(f"planning again: {len(refused)} kernel(s) the generator cannot make, the plan "
             f"falls back for them")
 
@@ -129,10 +132,7 @@ def model_spec(source, conv_algorithm="auto", log=None):
     measures, so that building the model applies the records."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     g = _graph(source, conv_algorithm)
-    _, requests, refused = plan_kernels(g, log)
-    for r, why in refused.items():
-        log(f"  no kernel for {r}: {why}")
-    return _spec(g, requests)
+    return _spec(g, plan_kernels(g, log)[1])
 
 
 def _graph(source, conv_algorithm) -> Graph:
@@ -223,9 +223,7 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
         return out_dir
     log(f"planning {g.name}: {len(g.nodes)} ops, inputs "
         f"{', '.join(f'{k} {list(s)}' for k, (s, _) in g.inputs.items())}")
-    lines, requests, refused = plan_kernels(g, log)
-    for r, why in refused.items():
-        log(f"  no kernel for {r}: {why}")
+    lines, requests = plan_kernels(g, log)
     log(f"the plan has {len(lines)} steps and calls {len(requests)} kernels")
     os.makedirs(out_dir, exist_ok=True)
     build(_spec(g, requests), target, out_dir, force=force, log=log, tuning_logs=tuning_logs)

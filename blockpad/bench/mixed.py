@@ -36,7 +36,8 @@ SHAPE = (1, 64, 56, 56)
 CONV = {"op": "conv2d", "name": "conv", "shape": list(SHAPE), "channels": 64, "kernel": [3, 3],
         "pad": [1, 1], "src": "nChw16c", "weights": "OIhw16i16o", "dst": "nChw16c"}
 ALONE = ("blockpad only", "torch only")
-CONFIGS = {"blockpad only": {}, "torch only": {}, "defaults": {}, "TVM sleeps": {"TVM_THREAD_POOL_SPIN_COUNT": "0"},
+CONFIGS = {"blockpad only": {}, "torch only": {}, "defaults": {},
+           "TVM sleeps": {"TVM_THREAD_POOL_SPIN_COUNT": "0"},
            "OpenMP sleeps": {"OMP_WAIT_POLICY": "PASSIVE"}, "both sleep": QUIET_POOLS}
 CALLS = 20   # calls per batch (alone) and pairs per batch (in turn)
 
@@ -63,14 +64,16 @@ def main(repeat=5, threads=None, target=None, log=print) -> dict:
             rows.append([name, r["error"], "", ""])
             continue
         bp_ms, pt_ms = r.get("blockpad"), r.get("torch")
-        cell = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        rows.append([name, cell(bp_ms), cell(pt_ms),
-                     cell(bp_ms + pt_ms) if name not in ALONE else "-"])
+        rows.append([name, _ms(bp_ms), _ms(pt_ms), "-" if name in ALONE else _ms(bp_ms + pt_ms)])
     log(f"\nblockpad ({target}) and PyTorch {_torch_version()} in one process, {threads} "
         f"threads: 3x3 conv 64->64 56x56, ms per call (median of {repeat} rounds); alone, "
         f"then called in turn")
     log(table(rows, ["configuration", "blockpad", "torch", "one of each"]))
     return results
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def _torch_version() -> str:
