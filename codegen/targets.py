@@ -121,9 +121,10 @@ def check_toolchain(target: Target) -> None:
 
 def native_target() -> str:
     """The widest CPU target this machine runs (``--target native``). The benchmarks build for
-    it: PyTorch picks its kernels' ISA at run time (AVX-512 where the CPU has it), so a fair
-    comparison builds blockpad for the same."""
-    for name in ("avx512", "host"):
+    it: PyTorch and ONNX Runtime pick their kernels' ISA at run time (AVX-512, VNNI's
+    ``vpdpbusd``, AMX where the CPU has them), so a fair comparison builds blockpad for the same.
+    Each wider target is a superset of the one after it, so fp32 kernels build for all of them."""
+    for name in ("amx", "avx512-vnni", "avx512", "host"):
         t = TARGETS[name]
         if t.arch == machine.arch() and not machine.missing_features(t.features):
             return name
