@@ -354,3 +354,21 @@ def test_maddubs_compiles_to_vpmaddubsw_and_vpmaddwd(lanes, mcpu, reg):
             found = [o for o in ops if o[0] == needed]
             assert found and all(reg in " ".join(o) for o in found), (src, needed)
         assert not any(o[0] in ("vpmulld", "vpmovsxbd", "vpdpbusd") for o in ops), src
+
+
+def test_int8_peak_kernel_is_vpdpbusd_chains():
+    """``bench.peak --dtype int8`` times what it says: every chain step one ``vpdpbusd`` on zmm
+    (none folded away), and a target without VNNI is refused by name."""
+    from blockpad.bench import peak
+    from blockpad.errors import SpecError
+
+    p = peak.Peak("avx512-vnni", 1, "int8")
+    asm = p._lib.mod.inspect_source("asm")
+    assert asm.count("vpdpbusd") >= peak.CHAINS and "zmm" in asm
+    assert p.flops == peak.CHAINS * 2 * 64 * peak.STEPS
+    with pytest.raises(SpecError, match="avx512_vnni.*'avx512'"):
+        peak.Peak("avx512", 1, "int8")
+    if "avx512_vnni" in machine.cpu_features():
+        p()   # each int32 lane adds 4 products of 1 x 1 a step onto its chain's start value
+        want = (np.arange(peak.CHAINS, dtype="int64")[:, None] + 4 * peak.STEPS).astype("int32")
+        assert np.array_equal(p._args[2].numpy()[0], np.broadcast_to(want, (peak.CHAINS, 16)))
