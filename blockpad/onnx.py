@@ -49,7 +49,7 @@ import numpy as np
 
 from blockpad.errors import BlockpadError
 from blockpad.onnx_int8 import ATTRS as INT8_ATTRS
-from blockpad.onnx_int8 import MS_OPS, QuantizedOps
+from blockpad.onnx_int8 import MS_OPS, Quantized, QuantizedOps
 
 MIN_OPSET = 13
 MAX_OPSET = 23      # the newest opset whose changes to these ops this module knows
@@ -469,13 +469,25 @@ class _Importer(QuantizedOps):
         if a.get("storage_order", 0):
             node.fail("storage_order 1 (column major indices) is not supported", "storage_order")
         self._only_output(node)
+        if self._is_q(node, 0):
+            v = self.env[node.inputs[0]][1]
+            if v.dq and v.scale > 0:
+                # max(DQ(q)) = DQ(max(q)): dequantization is monotonic, so the 8-bit value is
+                # pooled as it is (ONNX Runtime pools it in uint8 too) and a following
+                # QuantizeLinear with the same parameters is the identity
+                t = self._pool(node, "max", True, v.tensor, f"{node.outputs[0]}_{v.dtype}")
+                self.env[node.outputs[0]] = ("q", Quantized(t, v.scale, v.zero_point, True,
+                                                            node))
+                return
         self._pool(node, "max", exclude_pad=True)
 
     def _op_AveragePool(self, node):
         self._pool(node, "avg", exclude_pad=not node.attrs.get("count_include_pad", 0))
 
-    def _pool(self, node, algorithm, exclude_pad):
-        x = self._tensor(node, 0)
+    def _pool(self, node, algorithm, exclude_pad, x=None, out=None):
+        """The pooling ``node`` asks for, of ``x`` (default: its input as a float tensor),
+        into the graph value ``out`` (default: its output)."""
+        x = self._tensor(node, 0) if x is None else x
         shape = self._shape(x)
         a = node.attrs
         kernel = tuple(a.get("kernel_shape", ()))
@@ -485,8 +497,14 @@ class _Importer(QuantizedOps):
         stride = _ints(node, "strides", 2, 1)
         dilation = _ints(node, "dilations", 2, 1)
         pad = _pads(node, shape[2:], kernel, stride, dilation)
-        self._emit(node, "pool", x, algorithm, kernel, stride, pad, dilation,
-                   exclude_pad=exclude_pad, ceil_mode=bool(a.get("ceil_mode", 0)))
+        kw = dict(exclude_pad=exclude_pad, ceil_mode=bool(a.get("ceil_mode", 0)))
+        if out is None:
+            return self._emit(node, "pool", x, algorithm, kernel, stride, pad, dilation, **kw)
+        try:
+            return self.g.pool(x, algorithm, kernel, stride, pad, dilation,
+                               name=self._fresh(node, out), out=out, **kw)
+        except BlockpadError as e:
+            node.fail(str(e))
 
     def _op_GlobalAveragePool(self, node):
         if self._is_q(node, 0):

@@ -83,6 +83,27 @@ def test_quantized_add(fmt, policy):
     assert res.report.inplace == []     # over y's value only by swapping: wrong (it was)
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("pool", [dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+                                  dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)])
+def test_quantized_max_pool_stays_8_bit(dtype, pool):
+    """``DequantizeLinear -> MaxPool -> QuantizeLinear`` (ResNet's stem, as ``quantize_static``
+    writes it) pools the 8-bit value itself: no float op in between, ONNX Runtime's bits, the
+    window's padding the type's smallest value (an int8 image of negatives next to it)."""
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+             helper.make_node("MaxPool", ["xd"], ["p"], **pool),
+             helper.make_node("QuantizeLinear", ["p", "sx", "zx"], ["pq"]),
+             helper.make_node("DequantizeLinear", ["pq", "sx", "zx"], ["out"])]
+    inits = {"sx": np.float32(0.031), "zx": dtype(128 if dtype == np.uint8 else 5)}
+    model = _model(nodes, [("x", [1, 20, 9, 11])], ["out"], inits)
+    x = (np.random.default_rng(5).standard_normal((1, 20, 9, 11)) * 2 - 1).astype(np.float32)
+    g, _ = _check(model, {"x": x})
+    assert [(n.op, g._types[n.outputs[0]][1]) for n in g.nodes] == [
+        ("quantize", np.dtype(dtype).name), ("pool", np.dtype(dtype).name),
+        ("dequantize", "float32")]
+
+
 def test_unsupported_patterns_name_the_node():
     # a Conv of dequantized values whose output is not requantized
     w = numpy_helper.from_array(np.ones((4, 3, 1, 1), np.int8), "w")

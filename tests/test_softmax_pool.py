@@ -61,8 +61,12 @@ POOL = {
     **{f"pool_max_{policy}": {"src": "nChw8c", "dst": "nChw8c", "algorithm": "max",
                               "policy": policy, **WINDOW} for policy in POLICIES},
 }
+# 8-bit max pooling (a quantized model's DequantizeLinear -> MaxPool -> QuantizeLinear)
+INT_POOL = {f"pool_max_{dtype}_{policy}": {"src": "nChw16c", "dst": "nChw16c", "dtype": dtype,
+                                           "algorithm": "max", "policy": policy, **WINDOW}
+            for dtype in ("uint8", "int8") for policy in POLICIES}
 KERNELS = [{"op": "softmax", "name": n, "shape": SHAPE, **e} for n, e in SOFTMAX.items()] + \
-          [{"op": "pool", "name": n, "shape": SHAPE, **e} for n, e in POOL.items()]
+          [{"op": "pool", "name": n, "shape": SHAPE, **e} for n, e in {**POOL, **INT_POOL}.items()]
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +214,34 @@ def test_pool(lib, name, rng):
         assert padding(run(lib, name, x, source_padding=0.0)) == want
 
 
+@pytest.mark.parametrize("name", list(INT_POOL))
+def test_pool_max_8_bit(lib, name, rng):
+    """8-bit max pooling: windows past the image read the type's smallest value (an image of
+    negatives next to the padding), never the source's padding (filled with the largest); the
+    destination's padding as the contract says for a clean source."""
+    dtype = INT_POOL[name]["dtype"]
+    lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
+    x = rng.integers(lo, hi, SHAPE, endpoint=True).astype(dtype)
+    x[0, :, :2] = lo + rng.integers(0, 3, x[0, :, :2].shape)   # near-lowest rows at the border
+    kernel = lib[name]
+    src, dst = kernel.signature.args[0][2], kernel.signature.args[-1][2]
+    for fill in (hi, 0):
+        source = bp.Memory.from_numpy(x, src)
+        source.buffer[src.padding_offsets()] = fill
+        out = bp.Memory.from_numpy(np.full(dst.shape, hi, dtype), dst)
+        out.buffer[dst.padding_offsets()] = 7
+        kernel(source, out)
+        assert out.to_numpy().dtype == dtype
+        np.testing.assert_array_equal(out.to_numpy(), pool_ref(x.astype(np.float64), **{
+            k: v for k, v in entry(INT_POOL, name)[1].items() if k != "dtype"}))
+    want = expected_padding(kernel.signature.padding)
+    pad = out.buffer[dst.padding_offsets()]
+    if want == "zero":
+        assert np.all(pad == 0)
+    elif want == "nan":     # untouched
+        assert np.all(pad == 7)
+
+
 def test_pool_padding_derivation(lib):
     """max over padded channels reads -inf (the guard's value): not zero, so a zero store;
     the average of zero padding is zero: computed as is."""
@@ -232,6 +264,8 @@ def test_average_counts(lib):
     ({"op": "softmax", "axis": 4}, "axis must be an integer"),
     ({"op": "softmax", "dtype": "int8"}, "dtype must be float32"),
     ({"op": "pool", "algorithm": "min"}, "expected 'max' or 'avg'"),
+    ({"op": "pool", "algorithm": "avg", "dtype": "uint8"}, "avg pooling takes dtype float32; "
+                                                          "got uint8"),
     ({"op": "pool", "kernel": [3, 3], "pad": [3, 0]}, "windows outside"),
     ({"op": "pool", "kernel": [0, 2]}, "kernel must be an integer >= 1"),
 ])

@@ -1,4 +1,4 @@
-"""2-D max and average pooling (oneDNN semantics), fp32, declared once over logical indices:
+"""2-D max and average pooling (oneDNN semantics), declared once over logical indices:
 
     dst[n, c, oh, ow] = max / avg over (kh, kw) of src[n, c, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw]
 
@@ -15,6 +15,11 @@ the bottom/right padding (its cells there count for neither average), except tha
 starts past the padded image's top/left part: one that would is dropped, as PyTorch and ONNX
 Runtime do.
 
+The max also pools 8-bit integers (``uint8``, ``int8``: oneDNN's int8 max pooling, and what a
+quantized model's ``DequantizeLinear -> MaxPool -> QuantizeLinear`` is, exactly, since
+dequantization is monotonic): a cell outside the image reads the type's smallest value. The
+average stays fp32 (an integer average needs a rounding rule of its own).
+
 Channels are not reduced over, so source padding is read only to compute destination padding
 under the ``full`` plan. There the max reads -inf (the guard's value) and the average reads the
 clean padding, 0: ``propagates_zero`` derives a zero store for the max only.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from tvm import te, tirx
 
 from blockpad.errors import SpecError
@@ -67,8 +73,11 @@ def make(layouts, name, policy, algorithm="max", kernel=(2, 2), stride=None, pad
     if algorithm not in ("max", "avg"):
         raise SpecError(f"pool algorithm: expected 'max' or 'avg'; got {algorithm!r}")
     src, dst = layouts["src"], layouts["dst"]
-    if src.dtype != "float32":
-        raise SpecError(f"pool: dtype must be float32; got {src.dtype}")
+    dtypes = ("float32", "uint8", "int8") if algorithm == "max" else ("float32",)
+    if src.dtype not in dtypes:
+        raise SpecError(f"pool: {algorithm} pooling takes dtype {' or '.join(dtypes)}; got "
+                        f"{src.dtype}")
+    lowest = -math.inf if src.dtype == "float32" else int(np.iinfo(src.dtype).min)
     (kh, kw), (sh, sw), pad, (dh, dw), out = geometry(src.shape, kernel, stride, pad, dilation,
                                                       ceil_mode)
     (ph, pb), (pw, pr) = pad
@@ -85,7 +94,7 @@ def make(layouts, name, policy, algorithm="max", kernel=(2, 2), stride=None, pad
         def value(n, c, oh, ow):
             ih, iw = oh * sh - ph + rh * dh, ow * sw - pw + rw * dw
             if algorithm == "max":
-                return NAN_MAX(x(n, c, ih, iw, pad=-math.inf), axis=[rh, rw])
+                return NAN_MAX(x(n, c, ih, iw, pad=lowest), axis=[rh, rw])
             return te.sum(x(n, c, ih, iw), axis=[rh, rw])
 
         def average(total, idx):

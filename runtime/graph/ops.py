@@ -693,6 +693,10 @@ class Pool(OpInfo):
         a = node.attrs
         if len(shape) != 4:
             raise ArgumentError(f"{node.name}: pooling takes an NCHW source; got {shape}")
+        dtypes = ("float32", "uint8", "int8") if a["algorithm"] == "max" else ("float32",)
+        if dt not in dtypes:
+            raise ArgumentError(f"{node.name}: {a['algorithm']} pooling takes "
+                                f"{' or '.join(dtypes)}; got {dt}")
         out = tuple(window_out_size(n, k, s, p, d, a["ceil_mode"]) for n, k, s, p, d in
                     zip(shape[2:], a["kernel"], a["stride"], a["pad"], a["dilation"]))
         if min(out) < 1:
