@@ -294,9 +294,13 @@ def _accumulators(regs: int, vecs: int) -> tuple:
     """(most, enough) accumulator registers for a tile ``vecs`` vectors wide. AVX2: all but
     the weight vectors and a broadcast, 12 enough (two FMA ports x 4 cycles, and slack). With
     32 registers LLVM spills the unrolled channel loop past 16 accumulators (measured on
-    C=64 56x56: 8 x 2 x 16 runs at ~90% of the AVX-512 peak, 12 x 2 x 16 and 28 x 16 at 55%)."""
+    C=64 56x56: 8 x 2 x 16 runs at ~90% of the AVX-512 peak, 12 x 2 x 16 and 28 x 16 at 55%),
+    and 16 already cost: on an AMD EPYC (Zen 4) 1x1 convolutions ran 6-21% slower with 8 x 2
+    zmm accumulators than with 7 x 2 or 14 x 1 on 56-wide rows, 29% slower with 16 x 1 than
+    15 x 1 on 112-wide ones, and 14 was never slower (all ResNet-50 and MobileNetV2 1x1
+    layers, tuned). So 15 at most."""
     if regs > 16:
-        return regs // 2, regs // 2
+        return regs // 2 - 1, regs // 2 - 1
     return regs - 1 - vecs, 3 * regs // 4
 
 
