@@ -36,6 +36,7 @@ from blockpad.vocabulary import ACC, DEPTHWISE, DEPTHWISE_OUT, DST, EXPAND, EXPA
 
 from .common import divisor_at_most, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
+from .register_tiled import accumulators
 from .rule import ScheduleRule, distinct
 
 BAND_BYTES = 1 << 20   # the expanded band buffer's target size
@@ -76,7 +77,10 @@ def _tile(width: int, blocks: int, per_block: int, regs: int) -> tuple:
     """``(pixels, channel blocks, vectors of a block)`` of a register tile over a row of
     ``width`` pixels and ``blocks`` channel blocks of ``per_block`` vectors: a part of one block
     (``nChw16c`` on AVX2: 8 of its 16 channels) or whole blocks. The accumulators, the weight
-    vectors and a broadcast source fit ``regs``; a tile that divides the row and the blocks
+    vectors and a broadcast source fit ``regs``, and no more accumulators than
+    ``register_tiled`` allows (with AVX-512's 32 registers the fit alone allowed 24-28, which
+    LLVM spills: MobileNetV2's fused blocks ran 1.2-1.7x slower on avx512 than on host, AVX2,
+    on the same AMD EPYC); a tile that divides the row and the blocks
     first (a predicated last tile costs more than a smaller tile), then the fewest loads (a
     broadcast a pixel, a weight vector a column of accumulators) per FMA."""
     parts = [(1, v) for v in range(1, per_block + 1) if per_block % v == 0]
@@ -87,7 +91,8 @@ def _tile(width: int, blocks: int, per_block: int, regs: int) -> tuple:
         vectors = u * v
         return (width % m == 0 and blocks % u == 0, -(m + vectors) / (m * vectors), vectors)
     options = [(m, p) for m in range(1, width + 1) for p in parts
-               if (m + 1) * p[0] * p[1] + 1 <= regs]
+               if (m + 1) * p[0] * p[1] + 1 <= regs
+               and m * p[0] * p[1] <= accumulators(regs, p[0] * p[1])[0]]
     m, (u, v) = max(options, key=score)
     return m, u, v
 

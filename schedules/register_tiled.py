@@ -121,8 +121,8 @@ def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False) ->
     for nr in widths:
         for mu in (1, 2) if u_extent % 2 == 0 and not predicated else (1,):
             vecs = mu * -(-nr // lanes)
-            most = max(1, _accumulators(regs, vecs)[0] // vecs)
-            busy = -(-_accumulators(regs, vecs)[1] // vecs)
+            most = max(1, accumulators(regs, vecs)[0] // vecs)
+            busy = -(-accumulators(regs, vecs)[1] // vecs)
             out += [Config(mr, nr, lanes, mu=mu) for mr in _tile_heights(t_extent, most, busy)]
     out.sort(key=lambda c: (-round(_tile_score(c, t_extent, v_extent, lanes, regs), 3),
                             -c.nr, c.mu))
@@ -290,8 +290,9 @@ def _vectors(sch, loop, lanes):
     sch.vectorize(loop)
 
 
-def _accumulators(regs: int, vecs: int) -> tuple:
-    """(most, enough) accumulator registers for a tile ``vecs`` vectors wide. AVX2: all but
+def accumulators(regs: int, vecs: int) -> tuple:
+    """(most, enough) accumulator registers for a tile ``vecs`` vectors wide (also the fused
+    inverted residual's limit, schedules/inverted_residual.py). AVX2: all but
     the weight vectors and a broadcast, 12 enough (two FMA ports x 4 cycles, and slack). With
     32 registers LLVM spills the unrolled channel loop past 16 accumulators (measured on
     C=64 56x56: 8 x 2 x 16 runs at ~90% of the AVX-512 peak, 12 x 2 x 16 and 28 x 16 at 55%),
@@ -306,12 +307,12 @@ def _accumulators(regs: int, vecs: int) -> tuple:
 
 def _tile_score(cfg: Config, t_extent: int, v_extent: int, lanes: int, regs: int) -> float:
     """Expected fraction of peak of a tile shape, for ranking: accumulators enough to hide the
-    FMA latency (``_accumulators``); broadcasts that each feed more than one FMA (one-vector
+    FMA latency (``accumulators``); broadcasts that each feed more than one FMA (one-vector
     tiles measured at ~2/3 the rate: 14 x 8 against 5 x 16 on 14-wide rows, against 6 x 16 on
     56-wide ones); and no work on rows or columns past the end, which costs more than its
     share (on 7x7: 4 x 16 ~ 7 x 8 > 6 x 16 with 12 rows computed)."""
     vecs = cfg.mu * -(-cfg.nr // lanes)
-    busy = _accumulators(regs, vecs)[1]
+    busy = accumulators(regs, vecs)[1]
     waste = (-(-t_extent // cfg.mr) * cfg.mr / t_extent) * (-(-v_extent // cfg.nr) * cfg.nr
                                                              / v_extent)
     return min(cfg.mr * vecs, busy) / busy * (1.0 if vecs > 1 else 0.65) / waste ** 1.5
