@@ -79,6 +79,9 @@ SOFTMAX_STAGES = (MAX, EXP, SUM, NORM)
 #: depthwise reduction, its bias and activation
 EXPAND, EXPANDED, DEPTHWISE, DEPTHWISE_OUT = "expand", "expanded", "depthwise", "depthwise_out"
 INVERTED_RESIDUAL_STAGES = (EXPAND, EXPANDED, DEPTHWISE, DEPTHWISE_OUT)
+#: an integer convolution's source zero-point compensation (codegen/ops/quant.py): the weights'
+#: sums per output channel and tap, and their table per border class (a matmul's: its sums)
+WEIGHT_SUMS, ZP_COMP = "zp_wsum", "zp_comp"
 
 # ---- attributes of generated functions -----------------------------------------------------
 

@@ -52,7 +52,8 @@ import numpy as np
 from tvm import te, tirx
 
 from blockpad.errors import SpecError
-from blockpad.vocabulary import QUANT_DEFAULTS, QUANT_DST_DTYPES, SCALES, WEIGHT_BITS
+from blockpad.vocabulary import (QUANT_DEFAULTS, QUANT_DST_DTYPES, SCALES, WEIGHT_BITS,
+                                  WEIGHT_SUMS, ZP_COMP)
 
 from .common import round_clamped
 
@@ -202,7 +203,7 @@ def conv_compensation(w, geo, dst, c_red: int):
         x = w(k, zc, i, j) if groups == 1 else w(k // kg, k % kg, zc, i, j)
         return te.sum(x.astype("int32"), axis=[zc])
 
-    ws = te.compute((geo.k, kh, kw), wsum, name="zp_wsum")
+    ws = te.compute((geo.k, kh, kw), wsum, name=WEIGHT_SUMS)
     rows, cols = (BorderClasses(size, out, r, s, p[0], d) for size, out, r, s, p, d in
                   zip((geo.h, geo.w), geo.out, geo.kernel, geo.stride, geo.pad, geo.dilation))
     before = dst.paddings[1][0]
@@ -217,7 +218,7 @@ def conv_compensation(w, geo, dst, c_red: int):
             tap = tirx.if_then_else(tirx.all(*inside), tap, 0)
         return te.sum(tap, axis=[zh, zw])
 
-    table = te.compute((rows.count, cols.count, channels), comp, name="zp_comp")
+    table = te.compute((rows.count, cols.count, channels), comp, name=ZP_COMP)
     return lambda idx: table[rows.of(idx[2]), cols.of(idx[3]), idx[1] + before]
 
 
@@ -263,7 +264,7 @@ def matmul_compensation(w, dst, k_red: int):
         w.bounds = {j: (0, n - 1), zk.var: (0, k_red - 1)}
         return te.sum(w(zk, col).astype("int32"), axis=[zk])
 
-    table = te.compute((n,), comp, name="zp_comp")
+    table = te.compute((n,), comp, name=ZP_COMP)
     return lambda idx: table[idx[1] + before]
 
 
