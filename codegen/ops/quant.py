@@ -43,7 +43,10 @@ Padded channels need nothing: their weights are zero. The kernel computes both s
 every call (no extra argument, nothing for a caller to get wrong): ``K C KH KW`` additions, and
 ``comp`` once per *border class* of rows and columns (``BorderClasses``: each border row its
 own, all interior rows one), ``K KH KW`` per class: a small part of the convolution's
-``N K OH OW C KH KW``, depthwise too. matmul's is ``comp[n] = sum_k wei[k, n]``.
+``N K OH OW C KH KW``, depthwise too. matmul's is ``comp[n] = sum_k wei[k, n]``. Small in
+operations, not in time unless scheduled for it: a dot-product instruction does 64 of the
+convolution's multiply-adds, so at 7x7 a byte-at-a-time weight sum outlasts the convolution;
+the dot-product rules sum the packed weights a vector at a time (``dot_tiled.weight_sums``).
 """
 
 from __future__ import annotations
