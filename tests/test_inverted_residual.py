@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import blockpad as bp
+from blockpad import machine
 from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
 from blockpad.errors import SpecError
@@ -98,13 +99,33 @@ def test_fused_block_matches_numpy(libs, policy, case, rng):
     assert_padding_contract(kernel, whole)
 
 
+@pytest.mark.skipif("avx512f" not in machine.cpu_features(),
+                    reason="this CPU has no avx512f: the AVX-512 build is checked by its code")
+def test_avx512_build_matches_numpy(tmp_path, rng):
+    """Where the CPU runs it, the AVX-512 build's numbers: zmm tiles under its accumulator
+    limit, and ymm ones for 8-channel blocks (which fell to the generic rule)."""
+    names = [n for n in CASES if n != "plain"]
+    bp.build(parse_spec({"kernel": [{**CASES[n], "name": n} for n in names]}), "avx512",
+             tmp_path, log=lambda m: None)
+    lib = bp.load(tmp_path)
+    for n in names:
+        kernel = lib[n]
+        arrays = {name: (rng.standard_normal(lay.shape) * (0.3 if "weights" in name else 1.0))
+                  .astype(lay.dtype) for name, _, lay, _ in kernel.signature.args[:-1]}
+        dst, whole = run_guarded(kernel, arrays, "dst_fused")
+        np.testing.assert_allclose(dst.to_numpy(), reference(CASES[n], arrays), rtol=1e-5,
+                                   atol=1e-5, err_msg=n)
+        assert_padding_contract(kernel, whole)
+
+
+@pytest.mark.parametrize("target", ["host", "avx512"])
 @pytest.mark.parametrize("case", ["s1_residual", "s2_8c", "tails", "k5_batch"])
-def test_rule_keeps_the_expansion_in_bands(case):
+def test_rule_keeps_the_expansion_in_bands(case, target):
     """The build picks the fused rule for blocked blocks, and the expansion is computed inside
     the parallel loop (a band at a time), the depthwise and projection inside it too: no stage
     of the block is a pass of its own over the image."""
     func = _kernels(CASES[case])[0].func
-    rule, sch = first_match(RULES["x86"], func, get_target("host"))
+    rule, sch = first_match(RULES["x86"], func, get_target(target))
     assert isinstance(rule, InvertedResidual)
     script = sch.mod["main"].script()
     # one parallel loop holds every stage (the other ones copy per-channel tensors)
