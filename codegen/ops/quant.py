@@ -55,8 +55,7 @@ import numpy as np
 from tvm import te, tirx
 
 from blockpad.errors import SpecError
-from blockpad.vocabulary import (QUANT_DEFAULTS, QUANT_DST_DTYPES, SCALES, WEIGHT_BITS,
-                                  WEIGHT_SUMS, ZP_COMP)
+from blockpad.vocabulary import QUANT_DEFAULTS, QUANT_DST_DTYPES, SCALES, WEIGHT_BITS, WEIGHT_SUMS, ZP_COMP
 
 from .common import round_clamped
 
