@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from .common import interleaved_rounds, run_child, table
+from .common import interleaved_rounds, run_child, step_times, table
 
 MODELS = ("resnet50", "mobilenet_v2")
 INT8 = ("blockpad int8", "onnxruntime int8")
@@ -35,8 +35,8 @@ OUT = os.path.join("build", "bench_int8")
 
 
 def _contender(name, args, x):
-    """``(run, fallbacks)``: a function making one inference (numpy in, numpy out), and the
-    graph steps that run numpy instead of a kernel (blockpad)."""
+    """``(run, model)``: a function making one inference (numpy in, numpy out), and the loaded
+    ``bp.Model`` (blockpad; None for ONNX Runtime)."""
     if name == "onnxruntime int8":
         import onnxruntime as ort
 
@@ -44,20 +44,24 @@ def _contender(name, args, x):
         opts.intra_op_num_threads = args.threads
         sess = ort.InferenceSession(args.onnx, opts, providers=["CPUExecutionProvider"])
         feed = {sess.get_inputs()[0].name: x}
-        return (lambda: sess.run(None, feed)[0]), {}
+        return (lambda: sess.run(None, feed)[0]), None
     import blockpad as bp
 
     model = bp.load(args.dir)
-    return (lambda: model(x)), model.run(x).report.fallbacks
+    return (lambda: model(x)), model
 
 
 def child(args) -> dict:
     x = np.load(args.input)
-    run, fallbacks = _contender(args.child, args, x)
+    run, model = _contender(args.child, args, x)
     np.save(args.output, run())
     times = interleaved_rounds({"run": run}, args.repeat)["run"]     # one contender per process
-    return {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
-            "fallbacks": fallbacks}
+    out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times)}
+    if model is not None:   # where blockpad's time goes: each step of the plan, in plan order
+        out["fallbacks"] = model.run(x).report.fallbacks
+        steps = step_times(model.graph, {next(iter(model.inputs)): x})
+        out["steps"] = {k: 1e3 * v for k, v in steps.items()}
+    return out
 
 
 def _spawn(name, threads, paths, args) -> dict:
@@ -134,6 +138,23 @@ def _report(name, batch, hw, target, counts, results):
     slow = {k for t in counts for k in results[("blockpad int8", t)].get("fallbacks", {})}
     if slow:
         print(f"blockpad int8 ran {len(slow)} steps on numpy (no kernel): {sorted(slow)[:8]}")
+    _report_steps(counts, results)
+
+
+def _report_steps(counts, results, top=12):
+    """blockpad int8's slowest steps at each thread count (a step is named by the value it
+    writes: a convolution by the QuantizeLinear of its output)."""
+    for t in counts:
+        steps = results[("blockpad int8", t)].get("steps")
+        if not steps:
+            continue
+        total = sum(steps.values())
+        print(f"\nblockpad int8 at {t} thread(s): {len(steps)} steps, {total:.2f} ms in steps "
+              f"against {results[('blockpad int8', t)]['ms']:.2f} ms per inference; the "
+              f"{min(top, len(steps))} slowest:")
+        rows = [[k, f"{v:.3f}", f"{v / total:.1%}"]
+                for k, v in sorted(steps.items(), key=lambda kv: -kv[1])[:top]]
+        print(table(rows, ["step", "ms", "share"]))
 
 
 def _cli():
