@@ -71,6 +71,10 @@ def main(argv=None) -> int:
     p.add_argument("--hw", type=int, default=224, help="bench model: image height and width")
     p.add_argument("--conv-algorithm", choices=["auto", "direct"], default="auto",
                    help="bench model: blockpad's convolutions (auto: Winograd where it pays)")
+    p.add_argument("--processes", type=_positive, default=1,
+                   help="bench model, int8: processes per contender, round by round; each "
+                   "contender's fastest process (by median) is reported (a VM can take a core "
+                   "from a process for its whole life)")
     p.set_defaults(run=_bench)
 
     p = sub.add_parser("report", help="run a measured report")
@@ -200,6 +204,13 @@ def _report(args):
     padding.main(args.json, args.png, args.iterations, args.hw)
 
 
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {value}")
+    return n
+
+
 def _bench(args):
     if args.what in ("conv", "matmul"):
         from .bench import conv
@@ -228,13 +239,14 @@ def _bench(args):
 
         model.main(args.model or "resnet50", args.batch, args.hw, repeat=args.repeat,
                    threads=args.threads, target=args.target,
-                   conv_algorithm=args.conv_algorithm)
+                   conv_algorithm=args.conv_algorithm, processes=args.processes)
         return
     if args.what == "int8":   # int8 networks: blockpad, ONNX Runtime int8, blockpad fp32
         from .bench import int8
 
         int8.main((args.model,) if args.model else int8.MODELS, args.batch, args.hw,
-                  repeat=args.repeat, threads=args.threads, target=args.target)
+                  repeat=args.repeat, threads=args.threads, target=args.target,
+                  processes=args.processes)
         return
     if args.what == "mixed":   # blockpad and PyTorch calling in turn in one process
         from .bench import mixed

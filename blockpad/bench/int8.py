@@ -22,12 +22,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-from .common import interleaved_rounds, run_child, step_times, table
+from .common import best_of_processes, interleaved_rounds, isolation, run_child, step_times, table
 
 MODELS = ("resnet50", "mobilenet_v2")
 INT8 = ("blockpad int8", "onnxruntime int8")
@@ -92,7 +91,8 @@ def prepare(name, batch, hw, seed, target, log=print) -> dict:
     return {**paths, "int8": int8, "int8_dir": int8_dir}
 
 
-def main(models=MODELS, batch=1, hw=224, repeat=5, threads=None, target=None, seed=0):
+def main(models=MODELS, batch=1, hw=224, repeat=5, threads=None, target=None, seed=0,
+         processes=1):
     from blockpad.codegen.targets import native_target
     from blockpad.runtime.tvm_runtime import default_threads
 
@@ -104,19 +104,17 @@ def main(models=MODELS, batch=1, hw=224, repeat=5, threads=None, target=None, se
     for name in models:
         paths = prepare(name, batch, hw, seed, target)
         args = argparse.Namespace(model=name, repeat=repeat, seed=seed)
-        results = {}
-        for t in counts:
-            for c in INT8:
-                print(f"running {c} at {t} thread(s) ...", file=sys.stderr, flush=True)
-                results[(c, t)] = _spawn(c, t, paths, args)
-            print(f"running blockpad fp32 at {t} thread(s) ...", file=sys.stderr, flush=True)
-            results[("blockpad fp32", t)] = fp32._spawn("blockpad", t, paths, args)
-        _report(name, batch, hw, target, counts, results)
+        def spawn(c, t, paths=paths, args=args):
+            return fp32._spawn("blockpad", t, paths, args) if c == "blockpad fp32" else \
+                _spawn(c, t, paths, args)
+        results = best_of_processes(spawn, (*INT8, "blockpad fp32"), counts, processes,
+                                    fp32._log)
+        _report(name, batch, hw, target, counts, results, processes)
 
 
-def _report(name, batch, hw, target, counts, results):
-    print(f"\nbench int8: {name}, batch {batch}, {hw}x{hw}; blockpad kernels for {target}; each "
-          f"contender in its own process (figures from a shared machine are rough)")
+def _report(name, batch, hw, target, counts, results, processes=1):
+    print(f"\nbench int8: {name}, batch {batch}, {hw}x{hw}; blockpad kernels for {target}; "
+          f"{isolation(processes)}")
     rows = []
     for t in counts:
         r = {c: results[(c, t)] for c in (*INT8, "blockpad fp32")}

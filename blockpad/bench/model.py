@@ -25,7 +25,7 @@ import numpy as np
 
 from blockpad.codegen.targets import native_target
 
-from .common import interleaved_rounds, run_child, step_times, table
+from .common import best_of_processes, interleaved_rounds, isolation, run_child, step_times, table
 
 CONTENDERS = ("blockpad", "torch NCHW", "torch channels_last", "onnxruntime")
 OUT = os.path.join("build", "bench_model")
@@ -156,7 +156,7 @@ def prepare(name, batch, hw, seed, target, log=print, conv_algorithm="auto") -> 
 
 
 def main(model="resnet50", batch=1, hw=224, repeat=5, threads=None, target=None, seed=0,
-         conv_algorithm="auto"):
+         conv_algorithm="auto", processes=1):
     from blockpad.runtime.tvm_runtime import default_threads
 
     target = target or native_target()
@@ -164,20 +164,20 @@ def main(model="resnet50", batch=1, hw=224, repeat=5, threads=None, target=None,
     cores = default_threads()
     counts = [threads] if threads else sorted({1, cores})
     args = argparse.Namespace(model=model, repeat=repeat, seed=seed)
-    results = {}
-    for t in counts:
-        for name in CONTENDERS:
-            print(f"running {name} at {t} thread(s) ...", file=sys.stderr, flush=True)
-            results[(name, t)] = _spawn(name, t, paths, args)
-    _report(model, batch, hw, target, counts, results, conv_algorithm)
+    results = best_of_processes(lambda name, t: _spawn(name, t, paths, args), CONTENDERS,
+                                counts, processes, _log)
+    _report(model, batch, hw, target, counts, results, conv_algorithm, processes)
 
 
-def _report(model, batch, hw, target, counts, results, conv_algorithm="auto"):
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _report(model, batch, hw, target, counts, results, conv_algorithm="auto", processes=1):
     ref = next((np.load(r["y"]) for (n, _), r in results.items()
                 if n == "torch NCHW" and "y" in r), None)
     print(f"\nbenchmark: {model}, batch {batch}, {hw}x{hw}, fp32; blockpad kernels for {target} "
-          f"(convolutions: {conv_algorithm}); each contender in its own process (figures from a "
-          f"shared machine are rough)")
+          f"(convolutions: {conv_algorithm}); {isolation(processes)}")
     rows = []
     for (name, t), r in results.items():
         if "error" in r:
