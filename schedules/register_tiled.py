@@ -299,9 +299,12 @@ def accumulators(regs: int, vecs: int) -> tuple:
     and 16 already cost: on an AMD EPYC (Zen 4) 1x1 convolutions ran 6-21% slower with 8 x 2
     zmm accumulators than with 7 x 2 or 14 x 1 on 56-wide rows, 29% slower with 16 x 1 than
     15 x 1 on 112-wide ones, and 14 was never slower (all ResNet-50 and MobileNetV2 1x1
-    layers, tuned). So 15 at most."""
-    if regs > 16:
+    layers, tuned). So 15 at most with AVX-512's 32. AArch64's 20 (``Target.tile_registers``)
+    keep half, 10, as measured there before (the Zen 4 finding says nothing of NEON)."""
+    if regs >= 32:
         return regs // 2 - 1, regs // 2 - 1
+    if regs > 16:
+        return regs // 2, regs // 2
     return regs - 1 - vecs, 3 * regs // 4
 
 
