@@ -274,9 +274,10 @@ class _Importer(QuantizedOps):
         return self.g.constant(name, np.ascontiguousarray(array, dtype=None if integer
                                                           else np.float32))
 
-    def _emit(self, node, method, *args, output=0, **kw):
-        """Add one graph op for ``node``; its shape errors name the node."""
-        name = node.outputs[output]
+    def _emit(self, node, method, *args, output=0, value=None, **kw):
+        """Add one graph op for ``node``; its shape errors name the node. Its result is the
+        graph value ``value`` (default: the node's output ``output``)."""
+        name = value or node.outputs[output]
         try:
             t = getattr(self.g, method)(*args, name=self._fresh(node, name), out=name, **kw)
         except BlockpadError as e:
@@ -497,14 +498,8 @@ class _Importer(QuantizedOps):
         stride = _ints(node, "strides", 2, 1)
         dilation = _ints(node, "dilations", 2, 1)
         pad = _pads(node, shape[2:], kernel, stride, dilation)
-        kw = dict(exclude_pad=exclude_pad, ceil_mode=bool(a.get("ceil_mode", 0)))
-        if out is None:
-            return self._emit(node, "pool", x, algorithm, kernel, stride, pad, dilation, **kw)
-        try:
-            return self.g.pool(x, algorithm, kernel, stride, pad, dilation,
-                               name=self._fresh(node, out), out=out, **kw)
-        except BlockpadError as e:
-            node.fail(str(e))
+        return self._emit(node, "pool", x, algorithm, kernel, stride, pad, dilation, value=out,
+                          exclude_pad=exclude_pad, ceil_mode=bool(a.get("ceil_mode", 0)))
 
     def _op_GlobalAveragePool(self, node):
         if self._is_q(node, 0):

@@ -66,6 +66,9 @@ SCALES = ("channel", "tensor")
 #: The destination types of an integer kernel; the integer ones are rounded half to even and
 #: saturated.
 QUANT_DST_DTYPES = ("float32", "int32", "int8", "uint8")
+#: the dtypes each pooling algorithm takes: the max pools 8-bit integers too (exact for a
+#: quantized model's DequantizeLinear -> MaxPool -> QuantizeLinear); the average stays fp32
+POOL_DTYPES = {"max": ("float32", "uint8", "int8"), "avg": ("float32",)}
 
 # ---- stage names: the TE stages (TIR blocks) the generator makes and the rules look up --------
 

@@ -121,13 +121,17 @@ def table(rows: list[list], header: list[str]) -> str:
     return "\n".join(lines + [fmt(r) for r in cells[1:]])
 
 
-def best_of_processes(spawn, contenders, counts, processes, log=print) -> dict:
+def _progress(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def best_of_processes(spawn, contenders, counts, processes, log=_progress) -> dict:
     """``{(contender, threads): result}``: ``spawn(contender, threads)`` run ``processes`` times
     each, round by round (every contender once a round, so a slow spell of a shared machine
     falls on all of them), keeping each one's process with the lowest median. On a VM a
     process can lose a core for its whole life (2-thread runs measured 1.0x and 1.8x of one
     thread in separate processes of the same binary): one process per contender measures the
-    machine's luck as much as the runtimes."""
+    machine's luck as much as the runtimes. ``log``: progress lines (default: stderr)."""
     results = {}
     for i in range(processes):
         for t in counts:

@@ -107,8 +107,7 @@ def main(models=MODELS, batch=1, hw=224, repeat=5, threads=None, target=None, se
         def spawn(c, t, paths=paths, args=args):
             return fp32._spawn("blockpad", t, paths, args) if c == "blockpad fp32" else \
                 _spawn(c, t, paths, args)
-        results = best_of_processes(spawn, (*INT8, "blockpad fp32"), counts, processes,
-                                    fp32._log)
+        results = best_of_processes(spawn, (*INT8, "blockpad fp32"), counts, processes)
         _report(name, batch, hw, target, counts, results, processes)
 
 

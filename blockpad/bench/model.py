@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -165,12 +164,8 @@ def main(model="resnet50", batch=1, hw=224, repeat=5, threads=None, target=None,
     counts = [threads] if threads else sorted({1, cores})
     args = argparse.Namespace(model=model, repeat=repeat, seed=seed)
     results = best_of_processes(lambda name, t: _spawn(name, t, paths, args), CONTENDERS,
-                                counts, processes, _log)
+                                counts, processes)
     _report(model, batch, hw, target, counts, results, conv_algorithm, processes)
-
-
-def _log(msg):
-    print(msg, file=sys.stderr, flush=True)
 
 
 def _report(model, batch, hw, target, counts, results, conv_algorithm="auto", processes=1):

@@ -34,6 +34,7 @@ from tvm import te, tirx
 
 from blockpad.errors import SpecError
 from blockpad.layout import pad_sides, pad_sides_param, window_out_size
+from blockpad.vocabulary import POOL_DTYPES
 
 from .common import NAN_MAX, OpDef, Source, int_pair, materialize, plan_for
 
@@ -73,7 +74,7 @@ def make(layouts, name, policy, algorithm="max", kernel=(2, 2), stride=None, pad
     if algorithm not in ("max", "avg"):
         raise SpecError(f"pool algorithm: expected 'max' or 'avg'; got {algorithm!r}")
     src, dst = layouts["src"], layouts["dst"]
-    dtypes = ("float32", "uint8", "int8") if algorithm == "max" else ("float32",)
+    dtypes = POOL_DTYPES[algorithm]
     if src.dtype not in dtypes:
         raise SpecError(f"pool: {algorithm} pooling takes dtype {' or '.join(dtypes)}; got "
                         f"{src.dtype}")

@@ -18,7 +18,7 @@ from blockpad import qlinear, winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
 from blockpad.numpy_conv import direct_conv
-from blockpad.vocabulary import POST_OP_TENSORS, QUANT_DEFAULTS, post_op_tensors, with_defaults
+from blockpad.vocabulary import POOL_DTYPES, POST_OP_TENSORS, QUANT_DEFAULTS, post_op_tensors, with_defaults
 
 from ..cache import Request
 
@@ -693,7 +693,7 @@ class Pool(OpInfo):
         a = node.attrs
         if len(shape) != 4:
             raise ArgumentError(f"{node.name}: pooling takes an NCHW source; got {shape}")
-        dtypes = ("float32", "uint8", "int8") if a["algorithm"] == "max" else ("float32",)
+        dtypes = POOL_DTYPES[a["algorithm"]]
         if dt not in dtypes:
             raise ArgumentError(f"{node.name}: {a['algorithm']} pooling takes "
                                 f"{' or '.join(dtypes)}; got {dt}")
