@@ -217,7 +217,7 @@ def _bench(args):
 
         conv.main(args.what, repeat=args.repeat, threads=args.threads, quick=args.quick)
         return
-    if args.what == "conv-int8":   # int8 against fp32 on the same layers
+    if args.what == "conv-int8":   # int8 and bf16 against fp32 on the same layers
         from .bench import conv_int8
 
         conv_int8.main(repeat=args.repeat, threads=args.threads, quick=args.quick,

@@ -93,6 +93,11 @@ OP_ATTR = "blockpad.op"
 #: The PrimFunc attribute of an integer kernel whose weights are promised to fit 7 bits (the
 #: ``weight_bits`` attribute): the schedule rules that may then skip the saturation care.
 WEIGHT_BITS_ATTR = "blockpad.weight_bits"
+#: The PrimFunc attribute of a kernel that reads its sources' padding as garbage (its padding
+#: plan's ``reads`` is ``masked``): a schedule may not pull that padding into a floating sum
+#: (0 x NaN is NaN), as ``dot_rewrites.pad_dot`` does for a reduction of odd length. Set only
+#: where it holds, so that other kernels' structural hashes (their tuning records) stay.
+MASKED_READS_ATTR = "blockpad.masked_reads"
 
 
 def with_defaults(post_op) -> dict:

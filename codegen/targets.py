@@ -77,8 +77,14 @@ TARGETS = {
     "avx512-vnni": Target("avx512-vnni", "x86", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
                                                  "mcpu": "cascadelake"},
                           "x86_64", _X86_V3 + _AVX512 + ("avx512_vnni",), 64,
-                          "x86-64 with AVX-512 VNNI (Cascade Lake, Ice Lake, Zen 4 and later): "
+                          "x86-64 with AVX-512 VNNI (Cascade Lake, Ice Lake and later): "
                           "int8 dot products with vpdpbusd"),
+    # and bf16 convolution and matmul tensorized to vdpbf16ps
+    "avx512-bf16": Target("avx512-bf16", "x86", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                                                 "mcpu": "cooperlake"},
+                          "x86_64", _X86_V3 + _AVX512 + ("avx512_vnni", "avx512_bf16"), 64,
+                          "x86-64 with AVX-512 VNNI and BF16 (Cooper Lake, Zen 4 and later): "
+                          "int8 dot products with vpdpbusd, bf16 pairs with vdpbf16ps"),
     # int8 and bf16 matmul / convolution on AMX tiles; the runtime asks Linux for the tile state
     # (arch_prctl) before the first call, because the kernel would die of SIGILL without it
     "amx": Target("amx", "x86", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
@@ -124,7 +130,7 @@ def native_target() -> str:
     it: PyTorch and ONNX Runtime pick their kernels' ISA at run time (AVX-512, VNNI's
     ``vpdpbusd``, AMX where the CPU has them), so a fair comparison builds blockpad for the same.
     Each wider target is a superset of the one after it, so fp32 kernels build for all of them."""
-    for name in ("amx", "avx512-vnni", "avx512", "host"):
+    for name in ("amx", "avx512-bf16", "avx512-vnni", "avx512", "host"):
         t = TARGETS[name]
         if t.arch == machine.arch() and not machine.missing_features(t.features):
             return name

@@ -16,9 +16,10 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.sym.analyzer import Analyzer
 
-from blockpad.vocabulary import ACC, DST
+from blockpad.vocabulary import ACC, DST, MASKED_READS_ATTR
 
 from .common import REDUCE, SPATIAL, is_true
+from .dot_intrin import KINDS as DOT_KINDS
 from .nest import substitute, uses
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
@@ -27,8 +28,9 @@ _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 class DotShape:
     """The dot-product shape of a fresh ``acc`` block, or ``ok = False``: which iter var is
     ``t``, ``u`` and ``r`` (``j`` is the last spatial one; see the module doc), the source and
-    weight element types, the accumulator's, the guard around the source read and the one
-    around the weights read (None if none)."""
+    weight element types, the accumulator's, the reduction steps an instruction sums per lane
+    (``steps``: 4 int8, 2 bf16; None for sources no dot product takes), the guard around the
+    source read and the one around the weights read (None if none)."""
 
     def __init__(self, sch, acc):
         self.ok = False
@@ -85,6 +87,7 @@ class DotShape:
                 uses(self.wei_guard.args[0], v) for v in self.vars[self.n_sp:]):
             return
         self.src_dtype, self.wei_dtype = str(src.source.dtype), str(wei.source.dtype)
+        self.steps = DOT_KINDS[self.src_dtype][0] if self.src_dtype in DOT_KINDS else None
         self.ok = True
 
     def _walks(self, load, i) -> bool:
@@ -99,22 +102,27 @@ def pad_dot(func, lanes):
     """``func`` with its dot product padded to whole intrinsics, where the padding is
     scratch or reads zero: ``acc``'s last dim (``j``) rounded up to ``lanes`` when the weights'
     padded lane blocks hold the extra columns (an intermediate buffer: its extra lanes are
-    computed and never read), and the reduction ``r`` rounded up to 4 by reading the source
-    through a copy whose innermost dim is zero-padded (``src_pad``, a stage of the kernel):
-    each extra step adds zero whatever the weights' padding holds. Unchanged where neither is
+    computed and never read), and the reduction ``r`` rounded up to whole steps (4 int8, 2
+    bf16) by reading the source through a copy whose innermost dim is zero-padded (``src_pad``,
+    a stage of the kernel): each extra step adds zero, whatever an int8 kernel's weights padding
+    holds; a floating one (bf16, whose zero bits are +0.0) only where the padding is trusted to
+    be zero (not ``MASKED_READS_ATTR``: 0 x NaN is NaN). Unchanged where neither is
     needed or the nest is not such a dot product (the rule then declines it)."""
     sch = s_tir.Schedule(func)
     try:
         nest = DotShape(sch, sch.get_sblock(ACC))
     except s_tir.ScheduleError:
         return func
-    if not nest.ok:
+    if not nest.ok or nest.steps is None:
         return func
     j = nest.n_sp - 1
-    grow = {j: -nest.extents[j] % lanes, nest.r: -nest.extents[nest.r] % 4}
+    grow = {j: -nest.extents[j] % lanes, nest.r: -nest.extents[nest.r] % nest.steps}
     grow = {i: n for i, n in grow.items() if n}
     if not grow or not _weights_hold(nest, grow):
         return func
+    attrs = func.attrs if func.attrs is not None else {}
+    if nest.r in grow and "float" in nest.acc_dtype and MASKED_READS_ATTR in attrs:
+        return func   # the extra steps read weights padding that may be NaN: 0 x NaN is NaN
     src = nest.src
     if nest.r in grow and not (src.indices[-1].same_as(nest.vars[nest.r])
                                and int(src.source.shape[-1]) == nest.extents[nest.r]):

@@ -1,6 +1,8 @@
-"""Convolution and matmul on a CPU's int8 dot-product instruction, register-tiled: the part of
-x86's ``vpdpbusd`` rule (schedules/x86_tensorized.py) and Arm's ``sdot`` rule (schedules/arm.py)
-that does not depend on the instruction, so that both take the same awkward nests.
+"""Convolution and matmul on a CPU's dot-product instruction, register-tiled: the part of x86's
+``vpdpbusd`` and ``vdpbf16ps`` rules (schedules/x86_tensorized.py) and Arm's ``sdot`` rule
+(schedules/arm.py) that does not depend on the instruction, so that all take the same awkward
+nests. An instruction sums ``steps`` products into each lane: 4 for int8 (bytes into int32),
+2 for bf16 (pairs into float32); below, "4" is int8's and bf16 reads 2.
 
 Both ops come from ``codegen.ops.common.materialize`` as ``acc`` (the reduction) and ``dst``
 (post-ops, cast, padding store) over the destination's physical index space. The rules read
@@ -63,9 +65,9 @@ _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
 
 class DotTiled(ScheduleRule):
-    """int8 convolution and matmul, register-tiled around a dot-product intrinsic ``C[lanes]
-    i32 += A[4] . B[lanes, 4] i8`` (``dot_intrin.dot_desc``). A target rule says which CPU
-    feature it needs (``feature``), how many int32 lanes the instruction fills (``lanes``),
+    """int8 and bf16 convolution and matmul, register-tiled around a dot-product intrinsic
+    ``C[lanes] += A[steps] . B[lanes, steps]`` (``dot_intrin.dot_desc``). A target rule says
+    which CPU feature it needs (``feature``), how many lanes the instruction fills (``lanes``),
     how many accumulator vectors a tile may hold (``tile``) and which intrinsic takes a
     (source, weights, accumulator) type triple (``intrin``, None: not this rule's)."""
 
@@ -93,14 +95,14 @@ class DotTiled(ScheduleRule):
         """A register tile of rows x ``blocks`` column vectors: each row's broadcast source
         bytes feed ``blocks`` dot products, each weight vector every row."""
         intrin = self.intrin(nest)
-        if intrin is None or nest.extents[nest.n_sp - 1] % self.lanes or nest.extents[nest.r] % 4 \
-                or not _packed(nest, self.lanes):
+        if intrin is None or nest.extents[nest.n_sp - 1] % self.lanes \
+                or nest.extents[nest.r] % nest.steps or not _packed(nest, self.lanes):
             return False
         if blocks > 1 and nest.column_blocks(self.lanes) % blocks:
             return False
         rows = _rows(nest.extents[nest.t], self.tile // blocks)
         outer = tile_dst(sch, dst, nest, rows, blocks, self.lanes)
-        update, init = tile_acc(sch, acc, nest, outer, 4, blocks, self.lanes)
+        update, init = tile_acc(sch, acc, nest, outer, nest.steps, blocks, self.lanes)
         for loop in sch.get_loops(update)[-2 - (blocks > 1) - 1:-2]:   # rows, column vectors
             sch.unroll(loop)
         *tile, vec = sch.get_loops(init)[-2 - (blocks > 1):]
@@ -117,18 +119,19 @@ class DotTiled(ScheduleRule):
 
 
 def _packed(nest, lanes) -> bool:
-    """The memory the intrinsic assumes: its ``B[lanes, 4]`` one contiguous run of the weights
-    (their last dims ``[a multiple of lanes outputs, 4 reduction steps]``, compact: ``...16o4i``)
-    and its ``A[4]`` four contiguous source bytes (a source block of channels a multiple of 4).
+    """The memory the intrinsic assumes: its ``B[lanes, steps]`` one contiguous run of the
+    weights (their last dims ``[a multiple of lanes outputs, steps]``, compact: ``...16o4i``
+    int8, ``...16o2i`` bf16) and its ``A[steps]`` contiguous source elements (a source block of
+    channels a multiple of ``steps``).
     Weights blocked otherwise (``Ab8a``: 8 steps a row) match the nest's shape, and tensorize
     took them, reading the wrong bytes (blockpad check seed 20261126 case 36)."""
     def const(strides):
         return [int(x) if isinstance(x, (int, tvm.tirx.IntImm)) else None for x in strides]
 
-    wei, src = nest.wei.source, nest.src.source
+    wei, src, n = nest.wei.source, nest.src.source, nest.steps
     outs, steps = (int(d) for d in wei.shape[-2:])
-    return steps == 4 and outs % lanes == 0 and int(src.shape[-1]) % 4 == 0 \
-        and const(element_strides(wei)[-2:]) == [4, 1] and const(element_strides(src)[-1:]) == [1]
+    return steps == n and outs % lanes == 0 and int(src.shape[-1]) % n == 0 \
+        and const(element_strides(wei)[-2:]) == [n, 1] and const(element_strides(src)[-1:]) == [1]
 
 
 def schedule(func, target, tile):

@@ -7,6 +7,9 @@
   VNNI, ``vpmaddubsw`` + ``vpmaddwd`` on ymm (AVX2) or zmm (AVX-512BW), exact for every input
   (the source byte split so that no int16 pair sum saturates); ``maddubs7_*``: one
   ``vpmaddubsw`` a step for weights promised to fit 7 bits (``weight_bits = 7``);
+* ``vdpbf16ps_16x2``: ``C[16] f32 += A[2] bf16 . B[16, 2] bf16`` with ``vdpbf16ps`` (AVX-512
+  BF16), through a function in LLVM IR that TVM links and LLVM inlines (TVM cannot hand LLVM
+  a bfloat vector);
 * every buffer aligned to its element only: blockpad's kernel parameters promise no more;
 * ``amx_u8s8s32_16x16x64`` / ``amx_s8s8s32_16x16x64`` / ``amx_bf16f32_16x16x32``: one AMX
   tile multiply (``tdpbusd``, ``tdpbssd``, ``tdpbf16ps``), or ``n`` of them along the reduction
@@ -17,11 +20,12 @@
 
 Each intrinsic also has a ``*_ref`` twin: plain loops that compute what the instruction
 computes, written from Intel's pseudo-code rather than from the description or the
-implementation (``vpdpbusd``: four u8 x s8 byte products widened to int32 and summed into each
-lane; an s8 source shifted by +128 to u8 and compensated by ``128 * sum(b)``; AMX: loops over
-the rows and row bytes of the tile configuration the implementation loads, B's rows being A's
-dwords). A schedule tensorized with the twin runs the same packing, blocking, shift and
-accumulation on any CPU, so an AVX2-only machine checks the arithmetic the instructions do.
+implementation (``vdpbf16ps``: two bf16 products added to each float32 lane, the odd one
+first; ``vpdpbusd``: four u8 x s8 byte products widened to int32 and summed into each lane; an
+s8 source shifted by +128 to u8 and compensated by ``128 * sum(b)``; AMX: loops over the rows
+and row bytes of the tile configuration the implementation loads, B's rows being A's dwords).
+A schedule tensorized with the twin runs the same packing, blocking, shift and accumulation on
+any CPU, so an AVX2-only machine checks the arithmetic the instructions do.
 
 Defined here, in TVMScript, rather than imported from ``tvm.s_tir.tensor_intrin``: importing
 that package parses every intrinsic TVM has and takes ~30 s.
@@ -34,7 +38,7 @@ import functools
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
-from .dot_intrin import dot_desc
+from .dot_intrin import BF16_BITS, bf16, dot_desc, widen
 
 # a byte in each of the 4 bytes of an int32 (a broadcast dword of source bytes)
 _BYTE_0X80 = -2139062144   # 0x80808080: + 128 in each byte (u8 from s8)
@@ -164,6 +168,45 @@ def _maddubs_impl(lanes, src, seven_bit=False):
 # checks it (runtime/library.py, runtime/graph).
 
 
+# ---- AVX-512 BF16: vdpbf16ps -----------------------------------------------------------------
+# ``vdpbf16ps zmm_c, zmm_a, zmm_b``: each of 16 float32 lanes adds two bf16 x bf16 products,
+# pair i of A by pair i of B. LLVM 22's intrinsic takes ``<32 x bfloat>`` operands, and TVM
+# cannot pass it any: its lowering (``BF16ComputeLegalize``) turns every bfloat16 vector into
+# float32 before LLVM sees it. So the instruction is reached through a small function in LLVM
+# IR that takes the pairs as ``<16 x i32>`` and bitcasts them: TVM links it into the module
+# where the intrinsic's body names it (``pragma_import_llvm``) and LLVM inlines it (TVM marks
+# imported functions ``alwaysinline``), leaving one ``vdpbf16ps`` a step. The source pair is
+# broadcast as a dword, as ``vpdpbusd``'s 4 bytes are.
+VDPBF16PS_FN = "blockpad_vdpbf16ps_512"
+VDPBF16PS_IR = f"""
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+define <16 x float> @{VDPBF16PS_FN}(<16 x float> %c, <16 x i32> %a, <16 x i32> %b) #0 {{
+  %x = bitcast <16 x i32> %a to <32 x bfloat>
+  %y = bitcast <16 x i32> %b to <32 x bfloat>
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %c, <32 x bfloat> %x, <32 x bfloat> %y)
+  ret <16 x float> %r
+}}
+attributes #0 = {{ "target-features"="+avx512f,+avx512bw,+avx512vl,+avx512bf16" }}
+"""
+
+
+def _vdpbf16_impl(src):
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (2,), src, offset_factor=1, align=1)
+        B = T.match_buffer(b, (16, 2), src, offset_factor=1, align=1)
+        C = T.match_buffer(c, (16,), "float32", offset_factor=1, align=1)
+        with T.sblock("root"):
+            T.reads(C[0:16], A[0:2], B[0:16, 0:2])
+            T.writes(C[0:16])
+            with T.attr(0, "pragma_import_llvm", VDPBF16PS_IR):
+                C[T.ramp(T.int32(0), 1, 16)] = T.call_extern(
+                    "float32x16", VDPBF16PS_FN, C.vload([0], dtype="float32x16"),
+                    T.broadcast(T.reinterpret(A.vload([0], "uint16x2"), dtype="int32"), 16),
+                    T.reinterpret(B.vload([0, 0], dtype="uint16x32"), dtype="int32x16"))
+    return impl
+
+
 # ---- AMX -----------------------------------------------------------------------------------
 # One tile multiply: C[16, 16] += A[16, K] . B packed [K/s][16][s] (s = 4 int8, 2 bf16: the
 # "VNNI" layout AMX wants, each tile row 64 bytes). bf16 is stored as uint16 (as blockpad keeps
@@ -177,10 +220,6 @@ TILE_ROWS = (16, 16, 16)
 TILE_COLSB = (64, 64, 64)
 
 
-def _bf16(x):
-    return T.cast(T.reinterpret(x, dtype="bfloat16"), "float32")
-
-
 def _amx_shape(src, tiles):
     """(accumulator, weight dtype, elements per 4 bytes, reduction length, element bytes) of
     ``tiles`` tile multiplies of ``src`` (uint16: bf16 bits)."""
@@ -191,7 +230,7 @@ def _amx_shape(src, tiles):
 
 def _amx_desc(src, tiles=1):
     acc, wei, step, kt, _ = _amx_shape(src, tiles)
-    elem = _bf16 if src == "uint16" else (lambda x: T.cast(x, "int32"))
+    elem = widen(src)
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
@@ -310,6 +349,27 @@ def _vnni_twin(src):
     return twin
 
 
+def _vdpbf16_twin(src):
+    """``vdpbf16ps zmm_c, zmm_a, zmm_b`` with A's pair broadcast to every lane, from Intel's
+    pseudo-code: each float32 lane i adds A[1] x B[i, 1], then A[0] x B[i, 0], each product of
+    two bf16 widened to float32 (exact: 8-bit significands) and added with one rounding to
+    nearest even. The odd element first: measured so on a Zen 4 (1 - 1 + 2**-30 is 2**-30;
+    the even one first would give 0). The instruction also treats denormal inputs, and
+    flushes denormal results, as zero; the twin does not, so it agrees on normal numbers."""
+    @T.prim_func(s_tir=True)
+    def twin(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (2,), src, offset_factor=1, align=1)
+        B = T.match_buffer(b, (16, 2), src, offset_factor=1, align=1)
+        C = T.match_buffer(c, (16,), "float32", offset_factor=1, align=1)
+        with T.sblock("root"):
+            T.reads(C[0:16], A[0:2], B[0:16, 0:2])
+            T.writes(C[0:16])
+            for i in range(16):
+                C[i] = C[i] + bf16(A[1]) * bf16(B[i, 1])
+                C[i] = C[i] + bf16(A[0]) * bf16(B[i, 0])
+    return twin
+
+
 def _maddubs_twin(lanes, src, seven_bit=False):
     """What ``_maddubs_impl``'s instructions compute, from Intel's pseudo-code: ``vpmaddubsw``
     word k of lane i is SaturateToSignedWord(u8 x[2k] * s8 y[i, 2k] + u8 x[2k + 1] * s8
@@ -376,7 +436,7 @@ def _amx_twin(src, tiles=1):
         raise ValueError("tile configuration does not describe this multiply")
 
     def elem(x):
-        return _bf16(x) if src == "uint16" else T.Cast("int32", x)
+        return bf16(x) if src == BF16_BITS else T.Cast("int32", x)
 
     @T.prim_func(s_tir=True)
     def twin(a: T.handle, b: T.handle, c: T.handle) -> None:
@@ -411,6 +471,7 @@ def _zero_twin(dtype):
 
 VNNI = "blockpad_vnni_16x4"                # u8 x s8
 VNNI_S8 = "blockpad_vnni_s8s8_16x4"        # s8 x s8, shifted to u8 and compensated
+VDPBF16 = "blockpad_vdpbf16ps_16x2"      # bf16 pairs (uint16 bits) -> fp32
 AMX_INT8 = "blockpad_amx_u8s8s32_16x16x64"
 AMX_S8 = "blockpad_amx_s8s8s32_16x16x64"
 AMX_BF16 = "blockpad_amx_bf16f32_16x16x32"  # bf16 as uint16 storage
@@ -427,6 +488,7 @@ MADDUBS7_S8_16 = "blockpad_maddubs7_s8s8_16x4"
 _vnni_desc = functools.partial(dot_desc, 16)   # vpdpbusd: 16 int32 lanes
 _MAKERS = {VNNI: (_vnni_desc, _vnni_impl, _vnni_twin, "uint8"),
            VNNI_S8: (_vnni_desc, _vnni_impl, _vnni_twin, "int8"),
+           VDPBF16: (_vnni_desc, _vdpbf16_impl, _vdpbf16_twin, BF16_BITS),
            **{name_: (functools.partial(dot_desc, lanes), functools.partial(_maddubs_impl, lanes),
                       functools.partial(_maddubs_twin, lanes), src)
               for name_, lanes, src in ((MADDUBS, 8, "uint8"), (MADDUBS_S8, 8, "int8"),

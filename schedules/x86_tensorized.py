@@ -18,6 +18,10 @@ sources go through ``x86_intrin.VNNI_S8`` (shift by 128, compensated: exact). Sp
 partial tiles, masked weights and sizes that are not multiples of 16 (or of 4 along the
 reduction) are handled as ``dot_tiled`` says.
 
+``Vdpbf16`` (targets with ``avx512_bf16``): the same tiling for bf16, each step one
+``vdpbf16ps`` (two bf16 products into each float32 lane) per row and column vector, weights
+``...16o2i``.
+
 ``Maddubs`` (x86 without VNNI: ``avx2``, 8 ymm lanes; ``avx512bw``, 16 zmm lanes): the same
 ``DotTiled`` tiling, each step ``vpmaddubsw`` + ``vpmaddwd`` per row and column vector with the
 source byte split in halves so that no int16 pair sum saturates (``x86_intrin``): exact, at
@@ -42,8 +46,8 @@ multiples of 16, are left to the next rule.
 
 A rule returns None for what it does not take (another dtype, dims that are not multiples of
 the tile, a predicated or guarded nest it cannot tensorize), and the next rule in the table
-tries: ``Amx`` falls back to ``Vnni``, then ``Maddubs7`` and ``Maddubs`` (zmm, then ymm), then
-``register_tiled.RegisterTiled``.
+tries: ``Amx`` falls back to ``Vnni`` (int8) or ``Vdpbf16`` (bf16), then ``Maddubs7`` and
+``Maddubs`` (zmm, then ymm), then ``register_tiled.RegisterTiled``.
 
 ``reference=True`` builds the same schedule with the plain-loop twins of the intrinsics, so
 that the algorithm runs, and is checked against numpy, on a CPU without the instructions.
@@ -56,6 +60,7 @@ from typing import ClassVar
 from blockpad.vocabulary import WEIGHT_BITS_ATTR
 
 from . import x86_intrin as xi
+from .dot_intrin import BF16_BITS
 from .dot_tiled import DotTiled, schedule, tile_acc, tile_dst
 from .nest import uses
 from .rule import ScheduleRule
@@ -80,6 +85,21 @@ class Vnni(DotTiled):
         kinds = {("uint8", "int8", "int32"): xi.VNNI, ("int8", "int8", "int32"): xi.VNNI_S8}
         kind = kinds.get((nest.src_dtype, nest.wei_dtype, nest.acc_dtype))
         return None if kind is None else xi.name(kind, self.reference)
+
+
+class Vdpbf16(DotTiled):
+    """bf16 (x bf16 -> fp32) convolution and matmul tensorized to ``vdpbf16ps``: ``Vnni``'s
+    tiling with 2 reduction steps a lane, weights ``...16o2i`` (``OIhw8i16o2i``, ``BA16b2a``),
+    so that 16 outputs x 2 input channels are one zmm, twice the multiplies of an FMA."""
+
+    feature, lanes, tile = "avx512_bf16", 16, VNNI_TILE
+
+    def __init__(self, reference: bool = False):
+        self.reference = reference
+
+    def intrin(self, nest):
+        bf16 = (nest.src_dtype, nest.wei_dtype, nest.acc_dtype) == (BF16_BITS, BF16_BITS, "float32")
+        return xi.name(xi.VDPBF16, self.reference) if bf16 else None
 
 
 class Maddubs(DotTiled):
@@ -170,4 +190,4 @@ def _contiguous_steps(nest) -> int:
     return block if nest.extents[nest.r] % block == 0 else 0   # 0: no whole blocks, declined
 
 
-RULES = [Amx(), Vnni(), Maddubs7(16), Maddubs7(8), Maddubs(16), Maddubs(8)]
+RULES = [Amx(), Vnni(), Vdpbf16(), Maddubs7(16), Maddubs7(8), Maddubs(16), Maddubs(8)]

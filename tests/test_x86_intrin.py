@@ -1,8 +1,8 @@
 """blockpad's own x86 tensor intrinsics: their semantics on the host, and the instructions they
-compile to. VNNI runs for real where the CPU has avx512_vnni; AMX cannot run without AMX, so
-its schedule runs with the plain-loop twin of each intrinsic (the instruction's arithmetic, under
-the same packing, blocking and accumulation order) and the real one is checked in the
-assembly."""
+compile to. VNNI and vdpbf16ps run for real where the CPU has avx512_vnni / avx512_bf16; AMX
+cannot run without AMX, so its schedule runs with the plain-loop twin of each intrinsic (the
+instruction's arithmetic, under the same packing, blocking and accumulation order) and the real
+one is checked in the assembly."""
 
 import numpy as np
 import pytest
@@ -16,26 +16,31 @@ from blockpad.schedules import x86_intrin as xi
 M, N, K = 32, 48, 128
 
 
-def _int8_matmul(intrin_k, src="uint8", lanes=16):
-    """u8 or s8 X[M, K] x s8 W packed [N/lanes][K/k][lanes][k] -> s32 Y[M, N] (the VNNI
-    packing for 16 lanes)."""
+def _dot_matmul(steps, src="uint8", lanes=16):
+    """u8 or s8 X[M, K] x s8 W packed [N/lanes][K/steps][lanes][steps] -> s32 Y[M, N] (the
+    VNNI packing for 16 lanes and 4 steps); ``src`` uint16: bf16 bits by bf16 bits -> fp32."""
+    bf16 = src == "uint16"
     x = te.placeholder((M, K), src, name="X")
-    w = te.placeholder((N // lanes, K // intrin_k, lanes, intrin_k), "int8", name="W")
+    w = te.placeholder((N // lanes, K // steps, lanes, steps), src if bf16 else "int8", name="W")
     k = te.reduce_axis((0, K), "k")
+
+    def elem(v):
+        return tvm.tirx.reinterpret("bfloat16", v).astype("float32") if bf16 else v.astype("int32")
     y = te.compute((M, N), lambda i, j: te.sum(
-        x[i, k].astype("int32")
-        * w[j // lanes, k // intrin_k, j % lanes, k % intrin_k].astype("int32"), axis=k),
-        name="Y")
+        elem(x[i, k]) * elem(w[j // lanes, k // steps, j % lanes, k % steps]), axis=k), name="Y")
     return te.create_prim_func([x, w, y])
 
 
 def _dot_schedule(intrin, reference, src="uint8", lanes=16):
-    """The matmul with each step of ``lanes`` columns x 4 reduction steps one ``intrin``."""
-    sch = tvm.s_tir.Schedule(_int8_matmul(4, src, lanes))
+    """The matmul with each step of ``lanes`` columns x its reduction steps one ``intrin``."""
+    from blockpad.schedules.dot_intrin import KINDS
+
+    steps = KINDS[src][0]
+    sch = tvm.s_tir.Schedule(_dot_matmul(steps, src, lanes))
     blk = sch.get_sblock("Y")
     i, j, k = sch.get_loops(blk)
     jo, ji = sch.split(j, [None, lanes])
-    ko, ki = sch.split(k, [None, 4])
+    ko, ki = sch.split(k, [None, steps])
     sch.reorder(i, jo, ko, ji, ki)
     sch.parallel(sch.fuse(i, jo))
     init = sch.decompose_reduction(blk, ko)
@@ -191,6 +196,76 @@ def test_amx_compiles_to_tile_instructions(dtype, instr):
     asm = lib.mod.inspect_source("asm")
     for needed in (instr, "tileloadd", "tilestored", "ldtilecfg", "tilezero"):
         assert needed in asm, needed
+
+
+# ---- vdpbf16ps: bf16 pairs into float32 lanes --------------------------------------------------
+
+HAVE_BF16 = "avx512_bf16" in machine.cpu_features()
+COOPERLAKE = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "cooperlake"}
+
+
+def _bf16_data(rng):
+    """bf16 X[M, K] and W[N, K] as their uint16 bits, W packed [N/16][K/2][16][2], and numpy's
+    float64 product of the bf16 values."""
+    import ml_dtypes
+
+    x = rng.standard_normal((M, K)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((N, K)).astype(ml_dtypes.bfloat16)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    wp = w.reshape(N // 16, 16, K // 2, 2).transpose(0, 2, 1, 3).copy()
+    return x.view(np.uint16), wp.view(np.uint16), want
+
+
+def test_vdpbf16_reference_twin_equals_numpy(rng):
+    """The twin (two bf16 products a lane, odd first, each added with one rounding) under the
+    schedule, on this CPU: numpy's float64 product of the same bf16 values, to fp32's sums."""
+    x, wp, want = _bf16_data(rng)
+    got = _run(_dot_schedule(xi.VDPBF16, True, "uint16"), {"kind": "llvm", "mcpu": "x86-64-v3"},
+               x, wp, np.zeros((M, N), "float32"))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_vdpbf16_twin_adds_the_odd_product_first():
+    """Pair 0 (1, 0) makes each lane 1; pair 1 is (2**-30, -1): the odd element first gives
+    1 - 1 + 2**-30 = 2**-30, the even one first 0 (1 + 2**-30 rounds to 1). The twin says odd
+    first; where the CPU has the instruction, it agrees (measured so on a Zen 4)."""
+    import ml_dtypes
+
+    x = np.zeros((M, K), ml_dtypes.bfloat16)
+    x[:, 0], x[:, 2], x[:, 3] = 1.0, 2.0 ** -30, -1.0
+    w = np.zeros((N, K), ml_dtypes.bfloat16)
+    w[:, :4] = 1.0
+    wp = w.reshape(N // 16, 16, K // 2, 2).transpose(0, 2, 1, 3).copy().view(np.uint16)
+    runs = [({"kind": "llvm", "mcpu": "x86-64-v3"}, True)] + [(COOPERLAKE, False)] * HAVE_BF16
+    for target, reference in runs:
+        got = _run(_dot_schedule(xi.VDPBF16, reference, "uint16"), target, x.view(np.uint16), wp,
+                   np.zeros((M, N), "float32"))
+        assert np.all(got == np.float32(2.0 ** -30)), (reference, got[0, :4])
+
+
+def test_vdpbf16_compiles_to_vdpbf16ps():
+    """One zmm ``vdpbf16ps`` a step, inlined (no call left), no FMA of widened values."""
+    asm = tvm.compile(_dot_schedule(xi.VDPBF16, False, "uint16"),
+                      target=tvm.target.Target(COOPERLAKE)).mod.inspect_source("asm")
+    ops = [l.split() for l in asm.splitlines() if l.strip() and not l.strip().startswith(".")]
+    dots = [o for o in ops if o[0] == "vdpbf16ps"]
+    assert dots and all("zmm" in " ".join(o) for o in dots)
+    assert not any(o[0].startswith("vfmadd") for o in ops)
+    assert not any(o[0] == "callq" and xi.VDPBF16PS_FN in " ".join(o) for o in ops)
+
+
+@pytest.mark.skipif(not HAVE_BF16, reason="this CPU has no avx512_bf16: vdpbf16ps cannot "
+                                          "execute here")
+def test_vdpbf16_runs_on_this_cpu_as_its_twin_computes(rng):
+    """The instruction and its twin agree bit for bit on normal numbers (same products, same
+    order, same rounding), and both with numpy's float64 product to fp32's sums."""
+    x, wp, want = _bf16_data(rng)
+    out = np.zeros((M, N), "float32")
+    got = _run(_dot_schedule(xi.VDPBF16, False, "uint16"), COOPERLAKE, x, wp, out)
+    twin = _run(_dot_schedule(xi.VDPBF16, True, "uint16"), {"kind": "llvm", "mcpu": "x86-64-v3"},
+                x, wp, out)
+    assert np.array_equal(got, twin)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 # ---- vpmaddubsw + vpmaddwd: int8 without VNNI ------------------------------------------------
@@ -354,6 +429,25 @@ def test_maddubs_compiles_to_vpmaddubsw_and_vpmaddwd(lanes, mcpu, reg):
             found = [o for o in ops if o[0] == needed]
             assert found and all(reg in " ".join(o) for o in found), (src, needed)
         assert not any(o[0] in ("vpmulld", "vpmovsxbd", "vpdpbusd") for o in ops), src
+
+
+def test_bf16_peak_kernel_is_vdpbf16ps_chains():
+    """``bench.peak --dtype bfloat16``: every chain step one zmm ``vdpbf16ps``, a target
+    without ``avx512_bf16`` refused by name; where the CPU has it, the chains (pairs of zero)
+    keep their start values."""
+    from blockpad.bench import peak
+    from blockpad.errors import SpecError
+
+    p = peak.Peak("avx512-bf16", 1, "bfloat16")
+    asm = p._lib.mod.inspect_source("asm")
+    assert asm.count("vdpbf16ps") >= peak.CHAINS and "zmm" in asm
+    assert p.flops == peak.CHAINS * 2 * 32 * peak.STEPS
+    with pytest.raises(SpecError, match="avx512_bf16.*'avx512-vnni'"):
+        peak.Peak("avx512-vnni", 1, "bfloat16")
+    if HAVE_BF16:
+        p()
+        want = np.arange(peak.CHAINS, dtype="float32")[:, None]
+        assert np.array_equal(p._args[2].numpy()[0], np.broadcast_to(want, (peak.CHAINS, 16)))
 
 
 def test_int8_peak_kernel_is_vpdpbusd_chains():

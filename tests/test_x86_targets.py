@@ -1,9 +1,10 @@
-"""The ``avx512-vnni`` and ``amx`` targets: libraries built the way users build them, the
-instructions asserted in their assembly, their numbers checked against numpy, and the runtime's
-guards (CPU features, AMX permission) exercised for real.
+"""The ``avx512-vnni``, ``avx512-bf16`` and ``amx`` targets: libraries built the way users
+build them, the instructions asserted in their assembly, their numbers checked against numpy,
+and the runtime's guards (CPU features, AMX permission) exercised for real.
 
-This machine may or may not have the instructions: VNNI kernels run for real where the CPU has
-``avx512_vnni`` (skipped, saying so, where it has not). AMX kernels run for real only on a CPU
+This machine may or may not have the instructions: VNNI and BF16 kernels run for real where the
+CPU has ``avx512_vnni`` / ``avx512_bf16`` (skipped, saying so, where it has not; their
+schedules also run everywhere with the plain-loop twins of the instructions). AMX kernels run for real only on a CPU
 with AMX; elsewhere the same schedules (same packing, blocking and accumulation order) run with
 the plain-loop twins of the tile intrinsics (``schedules.x86_intrin``) on the host, and loading
 the AMX library must raise an error naming the missing feature, never die of SIGILL."""
@@ -147,16 +148,19 @@ def _is_exact(sig) -> bool:
 
 # ---- targets ----------------------------------------------------------------------------------
 
-def test_targets_list_vnni_and_amx_with_their_features(capsys):
+def test_targets_list_vnni_bf16_and_amx_with_their_features(capsys):
     from blockpad.cli import main
 
     assert main(["targets"]) == 0
     out = capsys.readouterr().out
-    vnni, amx = get_target("avx512-vnni"), get_target("amx")
-    assert (vnni.tvm["mcpu"], amx.tvm["mcpu"]) == ("cascadelake", "sapphirerapids")
+    vnni, bf16, amx = get_target("avx512-vnni"), get_target("avx512-bf16"), get_target("amx")
+    assert (vnni.tvm["mcpu"], bf16.tvm["mcpu"], amx.tvm["mcpu"]) == (
+        "cascadelake", "cooperlake", "sapphirerapids")
     assert "avx512_vnni" in vnni.features and "amx_tile" not in vnni.features
-    assert {"amx_tile", "amx_int8", "amx_bf16", "avx512_vnni"} <= set(amx.features)
-    for t in (vnni, amx):
+    assert "avx512_bf16" not in vnni.features
+    assert {"avx512_vnni", "avx512_bf16"} <= set(bf16.features) and "amx_tile" not in bf16.features
+    assert {"amx_tile", "amx_int8", "amx_bf16", "avx512_vnni", "avx512_bf16"} <= set(amx.features)
+    for t in (vnni, bf16, amx):
         line = next(l for l in out.splitlines() if l.startswith(t.name + " "))
         assert line and ", ".join(t.features) in out
 
@@ -245,6 +249,98 @@ def test_vnni_schedule_is_exact_on_any_cpu_with_the_reference_twin(spec, rng):
     args = dot_inputs(sig, rng)
     run(args)
     _check(spec["name"], sig, args, exact=True)
+
+
+# ---- avx512-bf16: vdpbf16ps ---------------------------------------------------------------------
+# bf16 convolution and matmul on OIhw8i16o2i / BA16b2a weights (16 outputs x 2 input channels,
+# one zmm): channel tails, spatial padding through a guard and from a halo, bias and relu,
+# stride, odd rows, a reduction padded to whole pairs (K = 19), plain and blocked destinations,
+# every other kind of padding policy
+
+HAVE_BF16 = "avx512_bf16" in machine.cpu_features()
+_BF16 = {"op": "conv2d", "dtype": "bfloat16", "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c",
+         "weights": "OIhw8i16o2i", "dst": "nChw16c"}
+BF16_SPEC = {"library": {"name": "test-bf16"}, "kernel": [
+    {**_BF16, "name": "conv_pad", "shape": [2, 20, 5, 6], "channels": 24},
+    {**_BF16, "name": "conv_halo", "shape": [1, 32, 4, 7], "channels": 16,
+     "src": {"tag": "nChw16c", "paddings": {"h": [1, 1], "w": [1, 1]}}},
+    {**_BF16, "name": "conv_bias_relu", "shape": [1, 32, 3, 9], "channels": 16,
+     "kernel": [1, 1], "pad": [0, 0], "stride": [1, 2],
+     "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]},
+    {**_BF16, "name": "conv_stride_dil", "shape": [1, 16, 9, 9], "channels": 32, "pad": [2, 2],
+     "stride": [2, 2], "dilation": [2, 2]},
+    {**_BF16, "name": "conv_stage", "shape": [1, 20, 3, 5], "channels": 24, "policy": "dst_stage"},
+    {**_BF16, "name": "conv_masked", "shape": [1, 20, 3, 5], "channels": 24, "policy": "src"},
+    {**_BF16, "name": "conv_tracked", "shape": [1, 20, 3, 5], "channels": 24, "policy": "tracked"},
+    {"name": "mm", "op": "matmul", "dtype": "bfloat16", "shape": [6, 40], "n": 32, "src": "ab",
+     "weights": "BA16b2a", "dst": "ab"},
+    {"name": "mm_rows19", "op": "matmul", "dtype": "bfloat16", "shape": [19, 64], "n": 48,
+     "src": "ab", "weights": "BA16b2a", "dst": "aB16b"},
+    {"name": "mm_odd", "op": "matmul", "dtype": "bfloat16", "shape": [7, 19], "n": 13,
+     "src": "ab", "weights": "BA16b2a", "dst": "ab"},
+    # the same under the src policy, whose weights padding may be NaN: padding the reduction
+    # to whole pairs would add 0 x NaN, so it stays on FMAs (blockpad.masked_reads)
+    {"name": "mm_odd_masked", "op": "matmul", "dtype": "bfloat16", "shape": [7, 19], "n": 13,
+     "src": "ab", "weights": "BA16b2a", "dst": "ab", "policy": "src"},
+]}
+BF16_FMA = ("mm_odd_masked",)
+
+
+@pytest.fixture(scope="session")
+def bf16_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("avx512-bf16") / "lib"
+    bp.build(parse_spec(BF16_SPEC), "avx512-bf16", out, log=lambda m: None)
+    return out
+
+
+def test_bf16_kernels_are_tensorized_to_vdpbf16ps(bf16_dir):
+    """Every kernel's products are zmm ``vdpbf16ps`` (two a lane), none FMAs of widened
+    values; the helper function the instruction comes through is inlined, not called."""
+    funcs = asm_functions(bf16_dir)
+    for name in BF16_FMA:
+        code = kernel_instructions(funcs, name)
+        assert any(l.split()[0].startswith("vfmadd") for l in code if l.split()), name
+        assert not _has(code, "vdpbf16ps"), name
+    for k in BF16_SPEC["kernel"]:
+        if k["name"] in BF16_FMA:
+            continue
+        code = kernel_instructions(funcs, k["name"])
+        dots = [l for l in code if l.split() and l.split()[0] == "vdpbf16ps"]
+        assert dots and all("zmm" in l for l in dots), f"{k['name']}: no zmm vdpbf16ps"
+        assert not any(l.split()[0].startswith("vfmadd") for l in code if l.split()), k["name"]
+        assert not any("blockpad_vdpbf16ps" in l for l in code), k["name"]
+    # 6 rows x 32 columns: one register tile of 6 x 2 vectors, each broadcast pair feeding two
+    _, m = isa.hot_loop(funcs, "mm", "x86_64")
+    assert m["dot"] >= 12 and m["dot"] / m["loads"] >= 0.75, m
+
+
+@pytest.mark.skipif(not HAVE_BF16, reason="this CPU has no avx512_bf16: vdpbf16ps cannot "
+                                          "execute here")
+def test_bf16_library_runs_here_and_matches_numpy(bf16_dir, rng):
+    lib = bp.load(bf16_dir)
+    assert {k["name"] for k in BF16_SPEC["kernel"]} <= set(lib.kernels)
+    for name, sig in lib.kernels.items():
+        if sig.op in ("conv2d", "matmul"):
+            args = dot_inputs(sig, rng)
+            lib[name](*[args[a[0]] for a in sig.args])
+            _check(name, sig, args, exact=False)
+
+
+@pytest.mark.parametrize("spec", [k for k in BF16_SPEC["kernel"] if k["name"] in (
+    "conv_pad", "conv_halo", "conv_bias_relu", "conv_stride_dil", "mm_odd")] + [
+    {**_BF16, "name": "conv_groups", "shape": [1, 32, 5, 6], "channels": 32, "groups": 2,
+     "weights": "gOIhw8i16o2i"},
+    {**_BF16, "name": "conv_nhwc", "shape": [1, 16, 5, 5], "channels": 16, "kernel": [1, 3],
+     "pad": [0, 1], "src": "nhwc", "dst": "nhwc"}], ids=lambda k: k["name"])
+def test_bf16_schedule_matches_numpy_on_any_cpu_with_the_reference_twin(spec, rng):
+    """The same packing and tiling with ``vdpbf16ps``'s plain-loop twin: the schedule checked
+    on a CPU without the instruction, and on shapes the library lacks."""
+    from blockpad.schedules.x86_tensorized import Vdpbf16
+
+    sig, run = _twin(spec, Vdpbf16(reference=True), "avx512-bf16")
+    args = dot_inputs(sig, rng)
+    run(args)
+    _check(spec["name"], sig, args, exact=False)
 
 
 # ---- host: AVX2 without VNNI ----------------------------------------------------------------
@@ -454,13 +550,12 @@ def test_amx_kernels_use_tiles(amx_dir):
         tiles = code.count("tilezero")
         assert code.count("tileloadd") == 2 * dots + tiles, name
         assert code.count("tilestored") == 2 * tiles, name
-    # a convolution AMX cannot tile (16 channels a row) falls back to vpdpbusd, bf16 to fp32
-    # zmm FMAs (RegisterTiled)
+    # a convolution AMX cannot tile (16 channels a row) falls back to vpdpbusd, bf16 to
+    # vdpbf16ps (its 16i16o2i weights are 16 outputs x 2 steps a zmm too)
     code = kernel_instructions(funcs, "conv_s8_blocked")
     assert _has(code, "vpdpbusd") and not _has(code, "tdpbssd")
     code = kernel_instructions(funcs, "conv_bf16_blocked")
-    assert _has(code, "vfmadd231ps") or _has(code, "vfmadd213ps")
-    assert not _has(code, "tdpbf16ps")
+    assert _has(code, "vdpbf16ps") and not _has(code, "tdpbf16ps")
     # bf16 nhwc, 64 channels in two weight blocks: per output tile and filter tap one
     # multiply per block, A and B loaded for each, the accumulator tile loaded once per
     # multiply (it is stored back between weight blocks)

@@ -52,6 +52,9 @@ X86_KERNELS = {
     "mm_s8_odd": {**_MM, "dtype": "int8", "shape": [32, 18], "n": 13, "src": "ab",
                   "weights": "BA16b4a", "dst": "ab"},
     "mm_bf16": {**_MM, "dtype": "bfloat16", "src": "ab", "weights": "BA16b2a", "dst": "ab"},
+    # 16 outputs x 2 input channels a zmm: vdpbf16ps where the target has avx512_bf16
+    "conv_bf16": {**_CONV, "dtype": "bfloat16", "src": "nChw16c", "weights": "OIhw8i16o2i",
+                  "dst": "nChw16c"},
 }
 ARM_KERNELS = {
     "conv_f32": {**_CONV, "dtype": "float32", "src": "nChw4c", "weights": "OIhw4i4o",
@@ -69,7 +72,8 @@ ARM_KERNELS = {
 # CUDA: fp32 only; the fp16/bf16 tensor-core kernels need TVM's own tensor intrinsics, whose
 # import costs a minute (docs/tvm-0.27-notes.md 2), too much for a quick look
 CUDA_KERNELS = {k: X86_KERNELS[k] for k in ("conv_f32", "mm_f32")}
-TARGETS = {"avx512": X86_KERNELS, "avx512-vnni": X86_KERNELS, "amx": X86_KERNELS,
+TARGETS = {"avx512": X86_KERNELS, "avx512-vnni": X86_KERNELS, "avx512-bf16": X86_KERNELS,
+           "amx": X86_KERNELS,
            "neon": ARM_KERNELS, "neon-dotprod": ARM_KERNELS, "cuda-sm80": CUDA_KERNELS}
 
 _DOT = re.compile(r"^(v?fn?madd\w*|vpdp\w+|vpmadd\w+|vdpbf16ps|tdp\w+|fmla|[su]mlal2?|mla"

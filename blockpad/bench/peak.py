@@ -1,6 +1,6 @@
 """The machine's measured fp32 peak: a generated kernel that is nothing but independent FMA
 chains, run on every thread of TVM's pool (``--dtype int8``: ``vpdpbusd`` chains instead, the
-int8 peak of an AVX-512 VNNI machine).
+int8 peak of an AVX-512 VNNI machine; ``--dtype bfloat16``: ``vdpbf16ps`` chains).
 
 The fraction of peak the convolution and matmul benchmarks report is against this, not a
 datasheet figure: a shared VM's clock drifts (2.5-3.3 GHz here) and its vendor's turbo tables
@@ -14,8 +14,10 @@ The int8 kernel is the same with each step one ``vpdpbusd`` (64 u8 x s8 products
 16 int32 lanes): what blockpad's ``Vnni`` rule, oneDNN's and ONNX Runtime's VNNI kernels issue.
 Its figure is in GOP/s, counting a multiply and an add per byte product as the fp32 figure
 counts an FMA, so the two are comparable (a VNNI machine's int8 peak is about 4x its fp32 one).
+``--dtype bfloat16``: ``vdpbf16ps`` chains (32 bf16 products into 16 float32 lanes a step),
+the bf16 peak of an AVX-512 BF16 machine, in GFLOP/s counted the same way.
 
-    python -m blockpad.bench.peak [--target host] [--threads N] [--dtype int8]
+    python -m blockpad.bench.peak [--target host] [--threads N] [--dtype int8|bfloat16]
 """
 
 from __future__ import annotations
@@ -50,37 +52,57 @@ def _kernel(lanes: int, tasks: int):
     return peak
 
 
-def _kernel_int8(tasks: int):
+def _kernel_dot(tasks: int, dtype: str):
+    """``CHAINS`` chains of AVX-512 dot products per task: ``vpdpbusd`` (int8: 64 u8 x s8
+    products into 16 int32 lanes) or ``vdpbf16ps`` (bf16: 32 products into 16 float32 lanes,
+    reached as blockpad's kernels reach it, ``schedules.x86_intrin``)."""
     from tvm.script import tirx as T
 
+    from blockpad.schedules import x86_intrin as xi
+
     vec = T.ramp(0, 1, 16)
-    dot = "llvm.x86.avx512.vpdpbusd.512"
+    acc_dt, a_dt, b_dt = ("int32", "uint8", "int8") if dtype == "int8" else \
+        ("float32", "int32", "int32")
+    n = 64 if dtype == "int8" else 16
+
+    def step(acc, a, b):
+        if dtype == "int8":
+            return T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"), acc,
+                a.vload([0], "uint8x64"), b.vload([0], "int8x64"), dtype="int32x16")
+        return T.call_extern("float32x16", xi.VDPBF16PS_FN, acc, a.vload([0], "int32x16"),
+                             b.vload([0], "int32x16"))
 
     @T.prim_func
-    def peak(a: T.Buffer((64,), "uint8"), b: T.Buffer((64,), "int8"),
-             out: T.Buffer((tasks, CHAINS, 16), "int32")):
+    def peak(a: T.Buffer((n,), a_dt), b: T.Buffer((n,), b_dt),
+             out: T.Buffer((tasks, CHAINS, 16), acc_dt)):
         T.func_attr({"tirx.noalias": True})
-        for t in T.parallel(tasks):
-            acc = T.alloc_buffer((CHAINS, 16), "int32", scope="local")
-            for j in T.unroll(CHAINS):
-                acc[j, vec] = T.broadcast(t * CHAINS + j, 16)
-            for _ in range(STEPS):
+        with T.attr(0, "pragma_import_llvm", xi.VDPBF16PS_IR):
+            for t in T.parallel(tasks):
+                acc = T.alloc_buffer((CHAINS, 16), acc_dt, scope="local")
                 for j in T.unroll(CHAINS):
-                    acc[j, vec] = T.call_llvm_pure_intrin(
-                        T.llvm_lookup_intrinsic_id(dot), acc[j, vec], a.vload([0], "uint8x64"),
-                        b.vload([0], "int8x64"), dtype="int32x16")
-            for j in T.unroll(CHAINS):
-                out[t, j, vec] = acc[j, vec]
+                    acc[j, vec] = T.broadcast(T.Cast(acc_dt, t * CHAINS + j), 16)
+                for _ in range(STEPS):
+                    for j in T.unroll(CHAINS):
+                        acc[j, vec] = step(acc[j, vec], a, b)
+                for j in T.unroll(CHAINS):
+                    out[t, j, vec] = acc[j, vec]
 
     return peak
 
 
+# dtype -> (CPU feature, instruction, the targets that have it, ops per step)
+_DOT_ACC = {"int8": "int32", "bfloat16": "float32"}
+_DOT_PEAKS = {"int8": ("avx512_vnni", "vpdpbusd", "avx512-vnni, avx512-bf16, amx", 2 * 64),
+              "bfloat16": ("avx512_bf16", "vdpbf16ps", "avx512-bf16, amx", 2 * 32)}
+
+
 class Peak:
-    """A compiled FMA-throughput kernel (``dtype`` float32) or ``vpdpbusd``-throughput kernel
-    (int8, on a target with ``avx512_vnni``) for ``target`` over ``threads`` tasks (one per
-    thread of TVM's pool, which must have that many: set ``TVM_NUM_THREADS`` before the first
-    parallel call). Calling it runs once; ``flops`` is what one call computes (int8: a
-    multiply and an add per byte product)."""
+    """A compiled FMA-throughput kernel (``dtype`` float32), ``vpdpbusd``-throughput kernel
+    (int8, on a target with ``avx512_vnni``) or ``vdpbf16ps`` one (bfloat16) for ``target``
+    over ``threads`` tasks (one per thread of TVM's pool, which must have that many: set
+    ``TVM_NUM_THREADS`` before the first parallel call). Calling it runs once; ``flops`` is
+    what one call computes (int8, bf16: a multiply and an add per product)."""
 
     def __init__(self, target="host", threads=1, dtype="float32"):
         import tvm
@@ -89,14 +111,17 @@ class Peak:
         from blockpad.errors import SpecError
 
         tgt = get_target(target)
-        if dtype == "int8":
-            if "avx512_vnni" not in tgt.features:
-                raise SpecError(f"the int8 peak runs vpdpbusd: expected a target with "
-                                f"avx512_vnni (avx512-vnni, amx); got {target!r}")
-            func, lanes = _kernel_int8(threads), 16
-            a = np.full(64, 1, "uint8")      # int32 wraps harmlessly: only the time matters
-            args = (a, np.full(64, 1, "int8"), np.zeros((threads, CHAINS, 16), "int32"))
-            per_step = 2 * 64
+        if dtype in _DOT_PEAKS:
+            feature, instr, targets, per_step = _DOT_PEAKS[dtype]
+            if feature not in tgt.features:
+                raise SpecError(f"the {dtype} peak runs {instr}: expected a target with "
+                                f"{feature} ({targets}); got {target!r}")
+            func, lanes = _kernel_dot(threads, dtype), 16
+            if dtype == "int8":   # int32 wraps harmlessly: only the time matters
+                a, b = np.full(64, 1, "uint8"), np.full(64, 1, "int8")
+            else:                 # bf16 pairs of 0: the sums stay 0, no denormals
+                a = b = np.zeros(16, "int32")
+            args = (a, b, np.zeros((threads, CHAINS, 16), _DOT_ACC[dtype]))
         elif dtype == "float32":
             lanes = tgt.vector_bytes // 4
             func = _kernel(lanes, threads)
@@ -104,7 +129,8 @@ class Peak:
                     np.zeros((threads, CHAINS, lanes), "float32"))
             per_step = 2 * lanes
         else:
-            raise SpecError(f"peak dtype: expected 'float32' or 'int8'; got {dtype!r}")
+            raise SpecError(f"peak dtype: expected 'float32', 'int8' or 'bfloat16'; got "
+                            f"{dtype!r}")
         lib = tvm.compile(tvm.IRModule({"main": func}), target=tgt.tvm_target())
         self._lib = lib       # keeps the module alive
         self._fn = lib["main"]
@@ -128,11 +154,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="host")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", choices=("float32", "int8"), default="float32")
+    ap.add_argument("--dtype", choices=("float32", "int8", "bfloat16"), default="float32")
     args = ap.parse_args(argv)
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
     fig = measure(args.target, args.threads, dtype=args.dtype)
-    unit = "GOP/s int8 (vpdpbusd)" if args.dtype == "int8" else "GFLOP/s fp32"
+    unit = {"int8": "GOP/s int8 (vpdpbusd)", "bfloat16": "GFLOP/s bf16 (vdpbf16ps)"}.get(
+        args.dtype, "GFLOP/s fp32")
     print(f"{args.target}: {fig:.1f} {unit} on {args.threads} thread(s)")
 
 

@@ -75,8 +75,8 @@ _DOT = ("float32", "float32", "float32", "int8", "uint8", "bfloat16", "float16",
 _X86 = Profile((4, 8, 16), _DOT)
 _ARM = Profile((4, 8), _DOT)
 _CUDA = Profile((4, 8, 16), _DOT, policies=KERNEL_ZEROS, strides=False)
-PROFILES = {"host": _X86, "avx512": _X86, "avx512-vnni": _X86, "amx": _X86, "neon": _ARM,
-            "neon-dotprod": _ARM, "cuda-sm80": _CUDA, "cuda-sm90": _CUDA}
+PROFILES = {"host": _X86, "avx512": _X86, "avx512-vnni": _X86, "avx512-bf16": _X86, "amx": _X86,
+            "neon": _ARM, "neon-dotprod": _ARM, "cuda-sm80": _CUDA, "cuda-sm90": _CUDA}
 
 
 def case(seed: int, k: int, target: str, ops=CHECKED_OPS) -> dict:

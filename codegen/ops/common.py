@@ -22,7 +22,7 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
-from blockpad.vocabulary import ACC, DST, WEIGHT_BITS_ATTR
+from blockpad.vocabulary import ACC, DST, MASKED_READS_ATTR, WEIGHT_BITS_ATTR
 
 from ..kernel import Arg, KernelDef, finish
 from ..policy import PaddingPlan, plan
@@ -211,6 +211,8 @@ def materialize(opdef: OpDef, dst: Layout, plan: PaddingPlan, name: str,
     kernel.params = dict(opdef.params or {})
     if kernel.params.get("weight_bits", 8) != 8:   # the promise the schedule rules may use
         kernel.func = kernel.func.with_attr(WEIGHT_BITS_ATTR, kernel.params["weight_bits"])
+    if plan.reads == "masked":   # what the schedule rules may not assume of source padding
+        kernel.func = kernel.func.with_attr(MASKED_READS_ATTR, True)
     kernel.contract = plan.contract()
     kernels = [kernel]
     if plan.dst_stage and dst.has_padding:
