@@ -60,6 +60,7 @@ from blockpad.vocabulary import (
 
 from . import eltwise, quant
 from .common import Source, dtype_of, nan_max, nan_min
+from .quant import BF16
 
 INTEGER = quant.INTEGER
 # floating sources and their accumulators; bfloat16 would need the bit storage (uint16 buffers)
@@ -74,9 +75,6 @@ OPTIONAL = {"bias": ("dtype",)}   # keys without a default (quant.bias_dtype)
 SUM_TYPES = ("float32", "int32", "float64", "float16", "int8", "uint8")
 BINARY = {"add": lambda v, b: v + b, "mul": lambda v, b: v * b, "max": nan_max, "min": nan_min,
           "prelu": lambda v, b: tirx.Select(v >= tirx.const(0, dtype_of(v)), v, v * b)}
-
-
-BF16 = "bfloat16"   # in kernel arguments as its uint16 bits: numpy and DLPack have no bf16
 
 
 def types(dtype: str) -> tuple:

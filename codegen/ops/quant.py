@@ -60,6 +60,8 @@ from blockpad.vocabulary import QUANT_DEFAULTS, QUANT_DST_DTYPES, SCALES, WEIGHT
 from .common import round_clamped
 
 INTEGER = ("int8", "uint8")
+BF16 = "bfloat16"   # in kernel arguments as its uint16 bits: numpy and DLPack have no bf16
+BF16_DST_DTYPES = ("float32", BF16)   # a bf16 kernel's destination types
 PARAMS = dict(QUANT_DEFAULTS)
 BIAS_DTYPES = ("float32", "int32")   # a bias post-op's ``dtype`` on an integer kernel
 RANGE = {t: (int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in ("int8", "uint8", "int32")}
@@ -74,6 +76,9 @@ def check(src_dtype: str, params: dict) -> dict:
     SpecError names a bad value, or any attribute given to a floating-point kernel."""
     q = {k: params.get(k, v) for k, v in QUANT_DEFAULTS.items()}
     given = sorted(k for k, v in q.items() if v != QUANT_DEFAULTS[k])
+    if src_dtype == BF16:   # its destination's type only: float32 or bfloat16
+        dst_dtype(src_dtype, q)
+        given = [k for k in given if k != "dst_dtype"]
     if src_dtype not in INTEGER:
         if given:
             raise SpecError(f"{', '.join(given)}: quantization attributes need a uint8 or int8 "
@@ -100,9 +105,15 @@ def check(src_dtype: str, params: dict) -> dict:
 
 
 def dst_dtype(src_dtype: str, params: dict, natural: str = "float32") -> str:
-    """The destination's type: ``dst_dtype`` for an integer kernel (float32 unless given),
-    else ``natural`` (the op's own, from ``postops.types``)."""
+    """The destination's type: ``dst_dtype`` for an integer kernel (float32 unless given) or a
+    bf16 one (float32 or bfloat16, rounded to nearest even, as oneDNN's bf16 convolutions
+    write either), else ``natural`` (the op's own, from ``postops.types``)."""
     want = params.get("dst_dtype")
+    if src_dtype == BF16 and want is not None:
+        if want not in BF16_DST_DTYPES:
+            raise SpecError(f"dst_dtype: a bfloat16 kernel writes one of "
+                            f"{', '.join(BF16_DST_DTYPES)}; got {want!r}")
+        return want
     if src_dtype not in INTEGER:
         return natural
     if want is not None and want not in QUANT_DST_DTYPES:

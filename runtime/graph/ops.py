@@ -393,12 +393,20 @@ def quant_types(node, types, channels) -> str:
     return q.get("dst_dtype") or "float32"
 
 
-def quant_params(node, graph) -> dict:
+#: the floating types of convolution and matmul nodes (bf16 results stay bf16: quant_params)
+DOT_FLOATS = ("float32", "float16", "bfloat16", "float64")
+
+
+def quant_params(node, graph, dtype) -> dict:
     """The node's quantization attributes as a kernel request names them: those that differ
     from their defaults (what a kernel's manifest entry records), and ``weight_bits = 7``
     where the node's weights (input 1) are a constant in [-64, 64] (one ``vpmaddubsw`` a
-    step on x86 without VNNI; ``WeightCache.seven_bit``)."""
+    step on x86 without VNNI; ``WeightCache.seven_bit``). A bf16 source (``dtype``) asks for
+    a bf16 destination: the graph keeps bf16 results bf16, the kernels write float32 unless
+    told (``dst_dtype``)."""
     q = node.attrs.get("quant")
+    if dtype == "bfloat16":
+        return {"dst_dtype": "bfloat16"}
     if q is None:
         return {}
     out = {k: v for k, v in q.items() if v != QUANT_DEFAULTS[k]}
@@ -457,7 +465,7 @@ class Conv2d(OpInfo):
         out_dt = dt
         if a.get("quant") is not None:
             out_dt = quant_types(node, types, w[0])
-        elif dt not in ("float32", "float16", "bfloat16", "float64") or wdt != dt:
+        elif dt not in DOT_FLOATS or wdt != dt:
             raise ArgumentError(f"{node.name}: graph convolutions are floating point with "
                                 f"weights of the source's dtype (or integer with quantization "
                                 f"attributes); got {dt} and {wdt}")
@@ -502,7 +510,7 @@ class Conv2d(OpInfo):
         params = {"channels": int(w[0]), "kernel": list(w[2:]), "stride": list(a["stride"]),
                   "pad": pad_sides_param(a["pad"]), "dilation": list(a["dilation"]),
                   "groups": int(a["groups"]), "post_ops": [dict(p) for p in a["post_ops"]],
-                  **quant_params(node, graph)}
+                  **quant_params(node, graph, dt)}
         if tile is not None:
             params.update(algorithm="winograd", winograd_tile=tile)
         return Request.make("conv2d", list(zip(names, lays)), params, graph.policy, shape=src,
@@ -744,10 +752,10 @@ class Matmul(OpInfo):
         out_dt = dt
         if q is not None:
             out_dt = quant_types(node, types, w[1])
-        elif wdt != dt or dt not in ("float32", "float64", "float16"):
-            raise ArgumentError(f"{node.name}: graph matmuls are floating point with weights "
-                                f"of the source's dtype (or integer with quantization "
-                                f"attributes); got {dt} and {wdt}")
+        elif wdt != dt or dt not in DOT_FLOATS:
+            raise ArgumentError(f"{node.name}: graph matmuls are floating point "
+                                f"({', '.join(DOT_FLOATS)}) with weights of the source's dtype "
+                                f"(or integer with quantization attributes); got {dt} and {wdt}")
         out = (src[0], w[1])
         check_post_op_inputs(node, types, (out, out_dt), w[1])
         return [(out, out_dt)]
@@ -761,7 +769,7 @@ class Matmul(OpInfo):
         args = [("in", i) for i in range(len(types))] + [("out", 0)]
         out = []
         params = {"n": int(w[1]), "post_ops": node.attrs["post_ops"],
-                  **quant_params(node, graph)}
+                  **quant_params(node, graph, dt)}
         packed = "BA16b4a" if wdt == "int8" else "Ba16b"
         for wtag in ([] if graph.layouts == "plain" else [packed]) + ["ab"]:
             lays = [plain(src, dt), Layout(wtag, w, wdt)] + \
