@@ -8,7 +8,16 @@ names are imported on first use (``blockpad.lazy``): ``import blockpad`` loads t
 JIT's entry point and the kernel cache, not the graph or the model loader."""
 
 from . import jit as _jit
-from .errors import ArgumentError, BlockpadError, BuildError, LayoutError, LoadError, MissingCPUFeatureError, SpecError
+from .errors import (
+    ArgumentError,
+    BlockpadError,
+    BuildError,
+    FallbackWarning,
+    LayoutError,
+    LoadError,
+    MissingCPUFeatureError,
+    SpecError,
+)
 from .lazy import exports
 from .runtime import cache as _cache
 from .version import __version__
@@ -20,7 +29,8 @@ _EXPORTS = {"Layout": ".layout", **{name: ".runtime" for name in (
     "Stream", "SubMemoryError", "load")}}
 __getattr__, __dir__ = exports(__name__, _EXPORTS)
 
-__all__ = ["ArgumentError", "BlockpadError", "BuildError", "Event", "Graph", "KernelCache",
+__all__ = ["ArgumentError", "BlockpadError", "BuildError", "Event", "FallbackWarning", "Graph",
+           "KernelCache",
            "KernelNotFound", "Layout", "LayoutError", "Library", "LoadError", "Memory",
            "MissingCPUFeatureError", "Model", "Report", "SpecError", "Stream", "SubMemoryError",
            "__version__", "build", "jit_cache", "load"]

@@ -1,4 +1,5 @@
-"""Every error blockpad raises on purpose derives from BlockpadError.
+"""Every error blockpad raises on purpose derives from BlockpadError; its one warning is
+``FallbackWarning``.
 
 The subclasses also derive from the builtin a Python user would catch for the same mistake
 (ValueError for a bad value, TypeError for a wrong kind of object), so existing handlers work.
@@ -7,6 +8,11 @@ The subclasses also derive from the builtin a Python user would catch for the sa
 
 class BlockpadError(Exception):
     """Base of all blockpad errors."""
+
+
+class FallbackWarning(UserWarning):
+    """An op of a ``bp.Graph`` found no kernel in any layout and runs its numpy reference:
+    right, and far slower (the plan's ``fallbacks`` list it too)."""
 
 
 class LayoutError(BlockpadError, ValueError):

@@ -470,13 +470,15 @@ def test_fallback_to_plain_when_no_blocked_kernel(cache, tmp_path, rng):
     assert res["eltwise_1"].layout.is_plain
 
 
+@pytest.mark.filterwarnings("ignore::blockpad.errors.FallbackWarning")   # the fallback is the point
 def test_fallback_to_numpy_without_any_kernel(tmp_path, rng):
     """No compiler and nothing prebuilt: every op runs its numpy reference; still right."""
     g = bp.Graph(cache=KernelCache(compiler=None, cache_dir=tmp_path))
     x, y = g.input("x", S), g.input("y", S)
     g.output(g.softmax(g.add(g.relu(x), y)))
     xv, yv = arr(rng, S), arr(rng, S)
-    res = g.run(x=xv, y=yv)
+    with pytest.warns(bp.FallbackWarning, match=r"eltwise_0 \(eltwise\): no kernel in any layout"):
+        res = g.run(x=xv, y=yv)
     assert set(res.report.fallbacks.values()) == {"numpy"}
     assert np.allclose(res["softmax_0"].numpy(), softmax({"axis": 1}, np.maximum(xv, 0) + yv),
                        atol=1e-6)

@@ -162,6 +162,7 @@ def test_quantized_networks_equal_onnxruntime(models, name, fmt):
 
 
 
+@pytest.mark.filterwarnings("ignore::blockpad.errors.FallbackWarning")   # the fallback is the point
 @pytest.mark.parametrize("fmt", FMTS)
 def test_numpy_references_equal_onnxruntime(models, fmt, tmp_path):
     """With no compiler and an empty cache every step runs the graph's numpy reference (the

@@ -447,6 +447,7 @@ def test_graph_refuses_attributes_on_float_and_an_integer_source_without_scale()
                  scale=g.constant("s9", np.ones(2, np.float32)))
 
 
+@pytest.mark.filterwarnings("ignore::blockpad.errors.FallbackWarning")   # the fallback is the point
 def test_graph_numpy_reference_refuses_an_integer_chain_it_cannot_run(tmp_path):
     """With no compiler the graph runs integer convs and matmuls in numpy, which takes an int32
     bias and nothing else: a relu after an integer matmul is refused, never silently dropped

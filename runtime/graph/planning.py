@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
-from blockpad.errors import ArgumentError
+from blockpad.errors import ArgumentError, FallbackWarning
 from blockpad.layout import Layout, dtype_name
 
 from .kernels import reorder_request
@@ -233,6 +234,11 @@ class Plan:
                 picked = choice
                 break
         if picked is None:             # no kernel in any layout: the numpy reference
+            if any(c.request is not None for c in choices):
+                warnings.warn(f"{node.name} ({node.op}): no kernel in any layout "
+                              f"({', '.join(c.label for c in choices)}) from its kernel cache "
+                              f"(target {getattr(g.cache, 'target', '?')}); it runs its numpy "
+                              f"reference", FallbackWarning, stacklevel=4)
             picked = choices[-1]
             self.fallbacks[node.name] = "numpy"
         elif picked is not choices[0] and picked.request is not None:
