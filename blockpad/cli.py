@@ -140,11 +140,11 @@ def _tune(args):
     if args.rpc_tracker or args.rpc_key:
         rpc = Rpc.parse(args.rpc_tracker or "", args.rpc_key)
     spec = args.spec
-    if spec.endswith(".onnx"):   # the kernels the model's plan calls
+    target = native_target() if args.target == "native" else args.target
+    if spec.endswith(".onnx"):   # the kernels the model's plan for the target calls
         from .model_build import model_spec
 
-        spec = model_spec(spec)
-    target = native_target() if args.target == "native" else args.target
+        spec = model_spec(spec, target=target)
     try:
         tune(spec, target, args.trials, args.out, rpc)
     except KeyboardInterrupt:

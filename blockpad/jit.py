@@ -47,4 +47,12 @@ def fingerprint() -> str:
     return h.hexdigest()
 
 
+def target_features(target: str) -> tuple:
+    """The CPU features of the blockpad target ``target`` (the cache plans for them)."""
+    from blockpad.codegen.targets import get_target
+
+    return tuple(get_target(target).features)
+
+
 compile_kernels.fingerprint = fingerprint
+compile_kernels.target_features = target_features

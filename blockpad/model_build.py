@@ -46,9 +46,13 @@ class _Probe:
     """A kernel cache that says yes to every request except those known to fail, and records
     what it said yes to. Enough of KernelCache's interface for planning."""
 
-    def __init__(self, failed):
+    def __init__(self, failed, features=()):
         self.failed = failed
+        self.features = tuple(features)
         self.asked: dict = {}
+
+    def target_features(self) -> tuple:
+        return self.features
 
     def find(self, req: Request):
         if req in self.failed:
@@ -97,13 +101,14 @@ def _used(plan, asked) -> list:
     return list(dict.fromkeys(used))
 
 
-def plan_kernels(g: Graph, log) -> tuple:
-    """Plan ``g`` and return (plan lines, the kernel requests the plan calls); each kernel the
-    generator cannot make, which the plan falls back for, is logged."""
+def plan_kernels(g: Graph, log, features=()) -> tuple:
+    """Plan ``g`` for a target with CPU ``features`` and return (plan lines, the kernel
+    requests the plan calls); each kernel the generator cannot make, which the plan falls
+    back for, is logged."""
     failed, refused = set(), {}
     checked = set()
     while True:
-        probe = _Probe(failed)
+        probe = _Probe(failed, features)
         h = _regraph(g, probe)
         plan = h.plan(**rm.input_layouts(h))
         used = _used(plan, probe.asked)
@@ -126,13 +131,15 @@ def _entry_name(i, req) -> str:
     return f"k{i:03d}_{req.op}"
 
 
-def model_spec(source, conv_algorithm="auto", log=None):
-    """The build spec of the kernels ``source``'s plan calls (a ``bp.Graph``, an ONNX path or
-    ModelProto), named as ``build_model`` names them: what ``blockpad tune model.onnx``
-    measures, so that building the model applies the records."""
+def model_spec(source, conv_algorithm="auto", log=None, target="host"):
+    """The build spec of the kernels ``source``'s plan for ``target`` calls (a ``bp.Graph``,
+    an ONNX path or ModelProto), named as ``build_model`` names them: what ``blockpad tune
+    model.onnx`` measures, so that building the model applies the records."""
+    from blockpad.codegen.targets import get_target
+
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     g = _graph(source, conv_algorithm)
-    return _spec(g, plan_kernels(g, log)[1])
+    return _spec(g, plan_kernels(g, log, get_target(target).features)[1])
 
 
 def _graph(source, conv_algorithm) -> Graph:
@@ -223,7 +230,7 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
         return out_dir
     log(f"planning {g.name}: {len(g.nodes)} ops, inputs "
         f"{', '.join(f'{k} {list(s)}' for k, (s, _) in g.inputs.items())}")
-    lines, requests = plan_kernels(g, log)
+    lines, requests = plan_kernels(g, log, target.features)
     log(f"the plan has {len(lines)} steps and calls {len(requests)} kernels")
     os.makedirs(out_dir, exist_ok=True)
     build(_spec(g, requests), target, out_dir, force=force, log=log, tuning_logs=tuning_logs)

@@ -257,6 +257,18 @@ class KernelCache:
     def libraries(self):
         return list(self._libraries)
 
+    def target_features(self) -> tuple:
+        """The CPU features of the target this cache's kernels are for: its first prebuilt
+        library's (a loaded model's own), else what the compiler says of ``target``, else
+        none known. The graph packs weights for the instructions they name (bf16 for
+        ``vdpbf16ps``), and a model's load plans as its build did, from the same target."""
+        with self._lock:
+            libs = list(self._libraries)
+        if libs:
+            return tuple(libs[0].manifest["target"].get("features", ()))
+        features = getattr(self.compiler, "target_features", None)
+        return tuple(features(self.target)) if callable(features) else ()
+
     @property
     def jit_dir(self) -> str:
         return os.path.join(self.cache_dir, "jit")

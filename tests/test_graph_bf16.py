@@ -12,10 +12,14 @@ import pytest
 import torch
 
 import blockpad as bp
+from blockpad import machine
 from blockpad.codegen.ops import quant
+from blockpad.codegen.targets import get_target
 from blockpad.errors import SpecError
+from blockpad.model_build import build_model, plan_kernels
 
 BF16 = ml_dtypes.bfloat16
+HAVE_BF16 = "avx512_bf16" in machine.cpu_features()
 
 
 def _f64(a):
@@ -26,32 +30,63 @@ def _bf16(t):   # float64 -> float32 -> bf16 (the kernels round their float32 su
     return t.numpy().astype(np.float32).astype(BF16)
 
 
-def test_bf16_graph_runs_kernels_and_keeps_bf16_between_layers(rng):
+def _network(rng, cache=None):
+    """Two bf16 convolutions and a matmul, and their input."""
     x = rng.standard_normal((2, 20, 9, 9)).astype(BF16)
     w1 = (rng.standard_normal((40, 20, 3, 3)) * 0.2).astype(BF16)
     b1 = rng.standard_normal(40).astype(np.float32)
     w2 = (rng.standard_normal((24, 40, 1, 1)) * 0.2).astype(BF16)
     wm = (rng.standard_normal((24 * 5 * 5, 10)) * 0.1).astype(BF16)
-    g = bp.Graph()
+    g = bp.Graph() if cache is None else bp.Graph(cache=cache)
     t = g.input("x", x.shape, "bfloat16")
     y = g.conv2d(t, g.constant("w1", w1), g.constant("b1", b1), pad=1, post_ops=["bias", "relu"])
     y = g.conv2d(y, g.constant("w2", w2), stride=2)
     z = g.matmul(g.flatten(y), g.constant("wm", wm))
     g.output(y, z)
+    return g, x, (w1, b1, w2, wm)
+
+
+def _check(x, params, y, z):
+    """``y`` and ``z`` against PyTorch in float64, rounded to bf16 where the kernels round."""
+    w1, b1, w2, wm = params
+    h = _bf16(torch.nn.functional.conv2d(_f64(x), _f64(w1), _f64(b1), padding=1).relu())
+    want_y = _bf16(torch.nn.functional.conv2d(_f64(h), _f64(w2), stride=2))
+    want_z = _bf16(_f64(want_y).reshape(2, -1) @ _f64(wm))
+    for got, want in ((y, want_y), (z, want_z)):
+        assert got.dtype == BF16 and got.shape == want.shape
+        # one bf16 rounding apart at most (the float32 sums and float64's may round apart)
+        diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        assert np.all(diff <= 2.0 ** -7 * np.abs(want.astype(np.float64)) + 1e-6), diff.max()
+
+
+def test_bf16_graph_runs_kernels_and_keeps_bf16_between_layers(rng):
+    g, x, params = _network(rng)
     res = g.run(x=x)
     plan = g.plan(x=x)
     assert plan.fallbacks == {}, plan.describe()
     dots = [st for st in plan.steps if st.label.startswith(("conv2d", "matmul"))]
     assert len(dots) == 3 and all(st.kernel is not None for st in dots), plan.describe()
+    y, z = g.outputs
+    _check(x, params, res[y].numpy(), res[z].numpy())
 
-    h = _bf16(torch.nn.functional.conv2d(_f64(x), _f64(w1), _f64(b1), padding=1).relu())
-    want_y = _bf16(torch.nn.functional.conv2d(_f64(h), _f64(w2), stride=2))
-    want_z = _bf16(_f64(want_y).reshape(2, -1) @ _f64(wm))
-    for got, want in ((res[y.name].numpy(), want_y), (res[z.name].numpy(), want_z)):
-        assert got.dtype == BF16 and got.shape == want.shape
-        # one bf16 rounding apart at most (the float32 sums and float64's may round apart)
-        diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-        assert np.all(diff <= 2.0 ** -7 * np.abs(want.astype(np.float64)) + 1e-6), diff.max()
+
+def test_bf16_weights_are_packed_in_pairs_where_the_target_has_vdpbf16ps(rng, tmp_path):
+    """The graph packs bf16 weights for the target its cache builds for: in pairs of input
+    channels (``OIhw8i16o2i``, ``BA16b2a``) where it has ``vdpbf16ps``, plain blocks where
+    FMAs widen them (planned without compiling: ``plan_kernels``). A model built for
+    avx512-bf16 loads with the same plan (the loader checks) and, where this CPU runs it,
+    gives the same numbers."""
+    g, x, params = _network(rng)
+    for target, tags in (("avx512-bf16", ("OIhw8i16o2i", "BA16b2a")),
+                         ("host", ("OIhw16i16o", "Ba16b"))):
+        lines, _ = plan_kernels(g, lambda m: None, get_target(target).features)
+        text = "\n".join(lines)
+        assert all(t in text for t in tags), (target, text)
+    out = tmp_path / "model"
+    build_model(g, "avx512-bf16", out, log=lambda m: None)
+    if HAVE_BF16:
+        res = bp.load(out).run(x=x)
+        _check(x, params, *(res[n].numpy() for n in g.outputs))
 
 
 def test_bf16_kernels_write_float32_or_bf16_and_nothing_else():

@@ -33,7 +33,7 @@ from blockpad.vocabulary import (
 from ..cache import KernelCache, default_cache
 from ..memory import Memory
 from .execution import Runner
-from .ops import ELTWISE, GRAPH_OPS, plain
+from .ops import ELTWISE, GRAPH_OPS, dot_steps, plain
 from .passes import FUSIONS, Node
 from .planning import Plan
 from .results import Results
@@ -545,19 +545,20 @@ class Graph:
             return [self.block]
         return [16, 8] if max(c_in, c_out) > 8 else [8, 16]
 
-    @staticmethod
-    def weight_tag(block, groups, depthwise, dtype="float32"):
+    def weight_tag(self, block, groups, depthwise, dtype="float32"):
         """The weights' tag beside an ``nChw<block>c`` source: ``OIhw<b>i<b>o`` for
         ``groups = 1``; int8 ``OIhw<b/4>i<b>o4i``, so that ``b`` outputs x 4 input channels are
         one register of the dot-product instructions (``vpmaddubsw``, ``vpdpbusd``, ``sdot``:
         with ``OIhw<b>i<b>o`` the kernel falls back to widening scalar multiplies, 4-6x slower
-        than float32); bf16 keeps ``OIhw<b>i<b>o``: ``vdpbf16ps`` would want ``OIhw<b/2>i<b>o2i``,
-        but the graph does not know its target, and FMAs of widened bf16 run 0.56x as fast on
-        those (avx512, a ResNet 3x3 layer: 55 against 97 GFLOP/s); depthwise (groups = C = K)
+        than float32); bf16 ``OIhw<b/2>i<b>o2i`` where the cache's target has ``vdpbf16ps``
+        (``avx512_bf16``: 2.4x the FMAs on a ResNet 3x3 layer), else ``OIhw<b>i<b>o``: FMAs of
+        widened bf16 run 0.56x as fast on the pairs (avx512: 55 against 97 GFLOP/s); depthwise
+        (groups = C = K)
         ``Goihw<b>g``, the groups blocked as the source's channels are; other grouped
         ``gOIhw<b>i<b>o`` (each group's K/G x C/G padded to whole blocks)."""
         if groups == 1:
-            return f"OIhw{block // 4}i{block}o4i" if dtype == "int8" else f"OIhw{block}i{block}o"
+            steps = dot_steps(dtype, self.cache.target_features())
+            return f"OIhw{block // steps}i{block}o{steps}i" if steps else f"OIhw{block}i{block}o"
         return f"Goihw{block}g" if depthwise else f"gOIhw{block}i{block}o"
 
     def plan(self, **inputs) -> Plan:

@@ -393,6 +393,16 @@ def quant_types(node, types, channels) -> str:
     return q.get("dst_dtype") or "float32"
 
 
+def dot_steps(dtype: str, features) -> int | None:
+    """The reduction steps a dot-product instruction sums per lane for ``dtype`` weights on a
+    target with CPU ``features``, which the weights' packing pairs up: 4 for int8 (every
+    target has one: ``vpmaddubsw``, ``vpdpbusd``, ``sdot``), 2 for bf16 where the target has
+    ``vdpbf16ps`` (``avx512_bf16``), else None (FMAs: plain blocks)."""
+    if dtype == "int8":
+        return 4
+    return 2 if dtype == "bfloat16" and "avx512_bf16" in features else None
+
+
 #: the floating types of convolution and matmul nodes (bf16 results stay bf16: quant_params)
 DOT_FLOATS = ("float32", "float16", "bfloat16", "float64")
 
@@ -770,7 +780,8 @@ class Matmul(OpInfo):
         out = []
         params = {"n": int(w[1]), "post_ops": node.attrs["post_ops"],
                   **quant_params(node, graph, dt)}
-        packed = "BA16b4a" if wdt == "int8" else "Ba16b"
+        steps = dot_steps(wdt, graph.cache.target_features())
+        packed = f"BA16b{steps}a" if steps else "Ba16b"
         for wtag in ([] if graph.layouts == "plain" else [packed]) + ["ab"]:
             lays = [plain(src, dt), Layout(wtag, w, wdt)] + \
                 [plain(t[0], t[1]) for t in types[2:]] + [plain(out_shape, out_dt)]
