@@ -48,7 +48,8 @@ def fingerprint() -> str:
 
 
 def target_features(target: str) -> tuple:
-    """The CPU features of the blockpad target ``target`` (the cache plans for them)."""
+    """The CPU features of the blockpad target ``target`` (the cache plans for them). Imports
+    ``blockpad.codegen.targets`` (plain Python, no TVM), which only a bf16 graph asks for."""
     from blockpad.codegen.targets import get_target
 
     return tuple(get_target(target).features)

@@ -557,7 +557,7 @@ class Graph:
         ``Goihw<b>g``, the groups blocked as the source's channels are; other grouped
         ``gOIhw<b>i<b>o`` (each group's K/G x C/G padded to whole blocks)."""
         if groups == 1:
-            steps = dot_steps(dtype, self.cache.target_features())
+            steps = dot_steps(dtype, self.cache.target_features)
             return f"OIhw{block // steps}i{block}o{steps}i" if steps else f"OIhw{block}i{block}o"
         return f"Goihw{block}g" if depthwise else f"gOIhw{block}i{block}o"
 

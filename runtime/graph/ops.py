@@ -395,12 +395,13 @@ def quant_types(node, types, channels) -> str:
 
 def dot_steps(dtype: str, features) -> int | None:
     """The reduction steps a dot-product instruction sums per lane for ``dtype`` weights on a
-    target with CPU ``features``, which the weights' packing pairs up: 4 for int8 (every
-    target has one: ``vpmaddubsw``, ``vpdpbusd``, ``sdot``), 2 for bf16 where the target has
-    ``vdpbf16ps`` (``avx512_bf16``), else None (FMAs: plain blocks)."""
+    target whose CPU features ``features()`` gives (asked only for bf16: a graph of float32
+    or int8 never looks its target up), which the weights' packing pairs up: 4 for int8
+    (every target has one: ``vpmaddubsw``, ``vpdpbusd``, ``sdot``), 2 for bf16 where the
+    target has ``vdpbf16ps`` (``avx512_bf16``), else None (FMAs: plain blocks)."""
     if dtype == "int8":
         return 4
-    return 2 if dtype == "bfloat16" and "avx512_bf16" in features else None
+    return 2 if dtype == "bfloat16" and "avx512_bf16" in features() else None
 
 
 #: the floating types of convolution and matmul nodes (bf16 results stay bf16: quant_params)
@@ -780,7 +781,7 @@ class Matmul(OpInfo):
         out = []
         params = {"n": int(w[1]), "post_ops": node.attrs["post_ops"],
                   **quant_params(node, graph, dt)}
-        steps = dot_steps(wdt, graph.cache.target_features())
+        steps = dot_steps(wdt, graph.cache.target_features)
         packed = f"BA16b{steps}a" if steps else "Ba16b"
         for wtag in ([] if graph.layouts == "plain" else [packed]) + ["ab"]:
             lays = [plain(src, dt), Layout(wtag, w, wdt)] + \
