@@ -7,8 +7,8 @@
   VNNI, ``vpmaddubsw`` + ``vpmaddwd`` on ymm (AVX2) or zmm (AVX-512BW), exact for every input
   (the source byte split so that no int16 pair sum saturates); ``maddubs7_*``: one
   ``vpmaddubsw`` a step for weights promised to fit 7 bits (``weight_bits = 7``);
-* ``vdpbf16ps_16x2``: ``C[16] f32 += A[2] bf16 . B[16, 2] bf16`` with ``vdpbf16ps`` (AVX-512
-  BF16), through a function in LLVM IR that TVM links and LLVM inlines (TVM cannot hand LLVM
+* ``vdpbf16ps_16x2`` / ``_8x2``: ``C[16] f32 += A[2] bf16 . B[16, 2] bf16`` with ``vdpbf16ps``
+  on zmm / ymm (AVX-512 BF16), through a function in LLVM IR that TVM links and LLVM inlines (TVM cannot hand LLVM
   a bfloat vector);
 * every buffer aligned to its element only: blockpad's kernel parameters promise no more;
 * ``amx_u8s8s32_16x16x64`` / ``amx_s8s8s32_16x16x64`` / ``amx_bf16f32_16x16x32``: one AMX
@@ -169,41 +169,49 @@ def _maddubs_impl(lanes, src, seven_bit=False):
 
 
 # ---- AVX-512 BF16: vdpbf16ps -----------------------------------------------------------------
-# ``vdpbf16ps zmm_c, zmm_a, zmm_b``: each of 16 float32 lanes adds two bf16 x bf16 products,
-# pair i of A by pair i of B. LLVM 22's intrinsic takes ``<32 x bfloat>`` operands, and TVM
-# cannot pass it any: its lowering (``BF16ComputeLegalize``) turns every bfloat16 vector into
-# float32 before LLVM sees it. So the instruction is reached through a small function in LLVM
-# IR that takes the pairs as ``<16 x i32>`` and bitcasts them: TVM links it into the module
-# where the intrinsic's body names it (``pragma_import_llvm``) and LLVM inlines it (TVM marks
-# imported functions ``alwaysinline``), leaving one ``vdpbf16ps`` a step. The source pair is
-# broadcast as a dword, as ``vpdpbusd``'s 4 bytes are.
-VDPBF16PS_FN = "blockpad_vdpbf16ps_512"
-VDPBF16PS_IR = f"""
-declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
-define <16 x float> @{VDPBF16PS_FN}(<16 x float> %c, <16 x i32> %a, <16 x i32> %b) #0 {{
-  %x = bitcast <16 x i32> %a to <32 x bfloat>
-  %y = bitcast <16 x i32> %b to <32 x bfloat>
-  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %c, <32 x bfloat> %x, <32 x bfloat> %y)
-  ret <16 x float> %r
+# ``vdpbf16ps zmm_c, zmm_a, zmm_b`` (or ymm, AVX-512VL): each of 16 (8) float32 lanes adds two
+# bf16 x bf16 products, pair i of A by pair i of B. LLVM 22's intrinsic takes ``<32 x bfloat>``
+# operands, and TVM cannot pass it any: its lowering (``BF16ComputeLegalize``) turns every
+# bfloat16 vector into float32 before LLVM sees it. So the instruction is reached through a
+# small function in LLVM IR that takes the pairs as ``<16 x i32>`` and bitcasts them: TVM
+# links it into the module where the intrinsic's body names it (``pragma_import_llvm``) and
+# LLVM inlines it (TVM marks imported functions ``alwaysinline``), leaving one ``vdpbf16ps`` a
+# step. The source pair is broadcast as a dword, as ``vpdpbusd``'s 4 bytes are.
+
+
+def vdpbf16ps_fn(lanes: int) -> tuple:
+    """(name, LLVM IR) of the function ``C[lanes] f32 += A . B`` (pairs as ``lanes`` i32)."""
+    name, bits = f"blockpad_vdpbf16ps_{32 * lanes}", 32 * lanes
+    ir = f"""
+declare <{lanes} x float> @llvm.x86.avx512bf16.dpbf16ps.{bits}(<{lanes} x float>, <{2 * lanes} x bfloat>, <{2 * lanes} x bfloat>)
+define <{lanes} x float> @{name}(<{lanes} x float> %c, <{lanes} x i32> %a, <{lanes} x i32> %b) #0 {{
+  %x = bitcast <{lanes} x i32> %a to <{2 * lanes} x bfloat>
+  %y = bitcast <{lanes} x i32> %b to <{2 * lanes} x bfloat>
+  %r = call <{lanes} x float> @llvm.x86.avx512bf16.dpbf16ps.{bits}(<{lanes} x float> %c, <{2 * lanes} x bfloat> %x, <{2 * lanes} x bfloat> %y)
+  ret <{lanes} x float> %r
 }}
 attributes #0 = {{ "target-features"="+avx512f,+avx512bw,+avx512vl,+avx512bf16" }}
 """
+    return name, ir
 
 
-def _vdpbf16_impl(src):
+def _vdpbf16_impl(lanes, src):
+    fn, ir = vdpbf16ps_fn(lanes)
+    acc, pairs = f"float32x{lanes}", f"int32x{lanes}"
+
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (2,), src, offset_factor=1, align=1)
-        B = T.match_buffer(b, (16, 2), src, offset_factor=1, align=1)
-        C = T.match_buffer(c, (16,), "float32", offset_factor=1, align=1)
+        B = T.match_buffer(b, (lanes, 2), src, offset_factor=1, align=1)
+        C = T.match_buffer(c, (lanes,), "float32", offset_factor=1, align=1)
         with T.sblock("root"):
-            T.reads(C[0:16], A[0:2], B[0:16, 0:2])
-            T.writes(C[0:16])
-            with T.attr(0, "pragma_import_llvm", VDPBF16PS_IR):
-                C[T.ramp(T.int32(0), 1, 16)] = T.call_extern(
-                    "float32x16", VDPBF16PS_FN, C.vload([0], dtype="float32x16"),
-                    T.broadcast(T.reinterpret(A.vload([0], "uint16x2"), dtype="int32"), 16),
-                    T.reinterpret(B.vload([0, 0], dtype="uint16x32"), dtype="int32x16"))
+            T.reads(C[0:lanes], A[0:2], B[0:lanes, 0:2])
+            T.writes(C[0:lanes])
+            with T.attr(0, "pragma_import_llvm", ir):
+                C[T.ramp(T.int32(0), 1, lanes)] = T.call_extern(
+                    acc, fn, C.vload([0], dtype=acc),
+                    T.broadcast(T.reinterpret(A.vload([0], "uint16x2"), dtype="int32"), lanes),
+                    T.reinterpret(B.vload([0, 0], dtype=f"uint16x{2 * lanes}"), dtype=pairs))
     return impl
 
 
@@ -349,8 +357,8 @@ def _vnni_twin(src):
     return twin
 
 
-def _vdpbf16_twin(src):
-    """``vdpbf16ps zmm_c, zmm_a, zmm_b`` with A's pair broadcast to every lane, from Intel's
+def _vdpbf16_twin(lanes, src):
+    """``vdpbf16ps zmm_c, zmm_a, zmm_b`` (ymm: 8 lanes) with A's pair broadcast to every lane, from Intel's
     pseudo-code: each float32 lane i adds A[1] x B[i, 1], then A[0] x B[i, 0], each product of
     two bf16 widened to float32 (exact: 8-bit significands) and added with one rounding to
     nearest even. The odd element first: measured so on a Zen 4 (1 - 1 + 2**-30 is 2**-30;
@@ -359,12 +367,12 @@ def _vdpbf16_twin(src):
     @T.prim_func(s_tir=True)
     def twin(a: T.handle, b: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (2,), src, offset_factor=1, align=1)
-        B = T.match_buffer(b, (16, 2), src, offset_factor=1, align=1)
-        C = T.match_buffer(c, (16,), "float32", offset_factor=1, align=1)
+        B = T.match_buffer(b, (lanes, 2), src, offset_factor=1, align=1)
+        C = T.match_buffer(c, (lanes,), "float32", offset_factor=1, align=1)
         with T.sblock("root"):
-            T.reads(C[0:16], A[0:2], B[0:16, 0:2])
-            T.writes(C[0:16])
-            for i in range(16):
+            T.reads(C[0:lanes], A[0:2], B[0:lanes, 0:2])
+            T.writes(C[0:lanes])
+            for i in range(lanes):
                 C[i] = C[i] + bf16(A[1]) * bf16(B[i, 1])
                 C[i] = C[i] + bf16(A[0]) * bf16(B[i, 0])
     return twin
@@ -471,7 +479,8 @@ def _zero_twin(dtype):
 
 VNNI = "blockpad_vnni_16x4"                # u8 x s8
 VNNI_S8 = "blockpad_vnni_s8s8_16x4"        # s8 x s8, shifted to u8 and compensated
-VDPBF16 = "blockpad_vdpbf16ps_16x2"      # bf16 pairs (uint16 bits) -> fp32
+VDPBF16 = "blockpad_vdpbf16ps_16x2"      # bf16 pairs (uint16 bits) -> fp32, zmm
+VDPBF16_8 = "blockpad_vdpbf16ps_8x2"     # ymm (AVX-512VL)
 AMX_INT8 = "blockpad_amx_u8s8s32_16x16x64"
 AMX_S8 = "blockpad_amx_s8s8s32_16x16x64"
 AMX_BF16 = "blockpad_amx_bf16f32_16x16x32"  # bf16 as uint16 storage
@@ -488,7 +497,9 @@ MADDUBS7_S8_16 = "blockpad_maddubs7_s8s8_16x4"
 _vnni_desc = functools.partial(dot_desc, 16)   # vpdpbusd: 16 int32 lanes
 _MAKERS = {VNNI: (_vnni_desc, _vnni_impl, _vnni_twin, "uint8"),
            VNNI_S8: (_vnni_desc, _vnni_impl, _vnni_twin, "int8"),
-           VDPBF16: (_vnni_desc, _vdpbf16_impl, _vdpbf16_twin, BF16_BITS),
+           **{name_: (functools.partial(dot_desc, lanes), functools.partial(_vdpbf16_impl, lanes),
+                      functools.partial(_vdpbf16_twin, lanes), BF16_BITS)
+              for name_, lanes in ((VDPBF16, 16), (VDPBF16_8, 8))},
            **{name_: (functools.partial(dot_desc, lanes), functools.partial(_maddubs_impl, lanes),
                       functools.partial(_maddubs_twin, lanes), src)
               for name_, lanes, src in ((MADDUBS, 8, "uint8"), (MADDUBS_S8, 8, "int8"),

@@ -20,7 +20,7 @@ reduction) are handled as ``dot_tiled`` says.
 
 ``Vdpbf16`` (targets with ``avx512_bf16``): the same tiling for bf16, each step one
 ``vdpbf16ps`` (two bf16 products into each float32 lane) per row and column vector, weights
-``...16o2i``.
+``...16o2i`` on zmm or ``...8o2i`` on ymm.
 
 ``Maddubs`` (x86 without VNNI: ``avx2``, 8 ymm lanes; ``avx512bw``, 16 zmm lanes): the same
 ``DotTiled`` tiling, each step ``vpmaddubsw`` + ``vpmaddwd`` per row and column vector with the
@@ -89,17 +89,20 @@ class Vnni(DotTiled):
 
 class Vdpbf16(DotTiled):
     """bf16 (x bf16 -> fp32) convolution and matmul tensorized to ``vdpbf16ps``: ``Vnni``'s
-    tiling with 2 reduction steps a lane, weights ``...16o2i`` (``OIhw8i16o2i``, ``BA16b2a``),
-    so that 16 outputs x 2 input channels are one zmm, twice the multiplies of an FMA."""
+    tiling with 2 reduction steps a lane, twice the multiplies of an FMA; 16 lanes of zmm on
+    weights ``...16o2i`` (``OIhw8i16o2i``, ``BA16b2a``), 8 of ymm on ``...8o2i`` (an
+    ``nChw8c`` convolution's ``OIhw4i8o2i``), so that a register of weights is ``lanes``
+    outputs x 2 input channels."""
 
-    feature, lanes, tile = "avx512_bf16", 16, VNNI_TILE
+    feature, tile = "avx512_bf16", VNNI_TILE
+    INTRINS: ClassVar[dict] = {16: xi.VDPBF16, 8: xi.VDPBF16_8}
 
-    def __init__(self, reference: bool = False):
-        self.reference = reference
+    def __init__(self, lanes: int = 16, reference: bool = False):
+        self.lanes, self.reference = lanes, reference
 
     def intrin(self, nest):
         bf16 = (nest.src_dtype, nest.wei_dtype, nest.acc_dtype) == (BF16_BITS, BF16_BITS, "float32")
-        return xi.name(xi.VDPBF16, self.reference) if bf16 else None
+        return xi.name(self.INTRINS[self.lanes], self.reference) if bf16 else None
 
 
 class Maddubs(DotTiled):
@@ -190,4 +193,4 @@ def _contiguous_steps(nest) -> int:
     return block if nest.extents[nest.r] % block == 0 else 0   # 0: no whole blocks, declined
 
 
-RULES = [Amx(), Vnni(), Vdpbf16(), Maddubs7(16), Maddubs7(8), Maddubs(16), Maddubs(8)]
+RULES = [Amx(), Vnni(), Vdpbf16(16), Vdpbf16(8), Maddubs7(16), Maddubs7(8), Maddubs(16), Maddubs(8)]

@@ -204,24 +204,28 @@ HAVE_BF16 = "avx512_bf16" in machine.cpu_features()
 COOPERLAKE = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "cooperlake"}
 
 
-def _bf16_data(rng):
-    """bf16 X[M, K] and W[N, K] as their uint16 bits, W packed [N/16][K/2][16][2], and numpy's
-    float64 product of the bf16 values."""
+def _bf16_data(rng, lanes=16):
+    """bf16 X[M, K] and W[N, K] as their uint16 bits, W packed [N/lanes][K/2][lanes][2], and
+    numpy's float64 product of the bf16 values."""
     import ml_dtypes
 
     x = rng.standard_normal((M, K)).astype(ml_dtypes.bfloat16)
     w = rng.standard_normal((N, K)).astype(ml_dtypes.bfloat16)
     want = x.astype(np.float64) @ w.astype(np.float64).T
-    wp = w.reshape(N // 16, 16, K // 2, 2).transpose(0, 2, 1, 3).copy()
+    wp = w.reshape(N // lanes, lanes, K // 2, 2).transpose(0, 2, 1, 3).copy()
     return x.view(np.uint16), wp.view(np.uint16), want
 
 
-def test_vdpbf16_reference_twin_equals_numpy(rng):
+BF16_LANES = [(16, "VDPBF16", "zmm"), (8, "VDPBF16_8", "ymm")]
+
+
+@pytest.mark.parametrize("lanes, intrin, reg", BF16_LANES)
+def test_vdpbf16_reference_twin_equals_numpy(rng, lanes, intrin, reg):
     """The twin (two bf16 products a lane, odd first, each added with one rounding) under the
     schedule, on this CPU: numpy's float64 product of the same bf16 values, to fp32's sums."""
-    x, wp, want = _bf16_data(rng)
-    got = _run(_dot_schedule(xi.VDPBF16, True, "uint16"), {"kind": "llvm", "mcpu": "x86-64-v3"},
-               x, wp, np.zeros((M, N), "float32"))
+    x, wp, want = _bf16_data(rng, lanes)
+    got = _run(_dot_schedule(getattr(xi, intrin), True, "uint16", lanes),
+               {"kind": "llvm", "mcpu": "x86-64-v3"}, x, wp, np.zeros((M, N), "float32"))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
@@ -243,27 +247,29 @@ def test_vdpbf16_twin_adds_the_odd_product_first():
         assert np.all(got == np.float32(2.0 ** -30)), (reference, got[0, :4])
 
 
-def test_vdpbf16_compiles_to_vdpbf16ps():
-    """One zmm ``vdpbf16ps`` a step, inlined (no call left), no FMA of widened values."""
-    asm = tvm.compile(_dot_schedule(xi.VDPBF16, False, "uint16"),
+@pytest.mark.parametrize("lanes, intrin, reg", BF16_LANES)
+def test_vdpbf16_compiles_to_vdpbf16ps(lanes, intrin, reg):
+    """One zmm (ymm) ``vdpbf16ps`` a step, inlined (no call left), no FMA of widened values."""
+    asm = tvm.compile(_dot_schedule(getattr(xi, intrin), False, "uint16", lanes),
                       target=tvm.target.Target(COOPERLAKE)).mod.inspect_source("asm")
     ops = [l.split() for l in asm.splitlines() if l.strip() and not l.strip().startswith(".")]
     dots = [o for o in ops if o[0] == "vdpbf16ps"]
-    assert dots and all("zmm" in " ".join(o) for o in dots)
+    assert dots and all(reg in " ".join(o) for o in dots)
     assert not any(o[0].startswith("vfmadd") for o in ops)
-    assert not any(o[0] == "callq" and xi.VDPBF16PS_FN in " ".join(o) for o in ops)
+    assert not any(o[0] == "callq" and xi.vdpbf16ps_fn(lanes)[0] in " ".join(o) for o in ops)
 
 
 @pytest.mark.skipif(not HAVE_BF16, reason="this CPU has no avx512_bf16: vdpbf16ps cannot "
                                           "execute here")
-def test_vdpbf16_runs_on_this_cpu_as_its_twin_computes(rng):
+@pytest.mark.parametrize("lanes, intrin, reg", BF16_LANES)
+def test_vdpbf16_runs_on_this_cpu_as_its_twin_computes(rng, lanes, intrin, reg):
     """The instruction and its twin agree bit for bit on normal numbers (same products, same
     order, same rounding), and both with numpy's float64 product to fp32's sums."""
-    x, wp, want = _bf16_data(rng)
+    x, wp, want = _bf16_data(rng, lanes)
     out = np.zeros((M, N), "float32")
-    got = _run(_dot_schedule(xi.VDPBF16, False, "uint16"), COOPERLAKE, x, wp, out)
-    twin = _run(_dot_schedule(xi.VDPBF16, True, "uint16"), {"kind": "llvm", "mcpu": "x86-64-v3"},
-                x, wp, out)
+    got = _run(_dot_schedule(getattr(xi, intrin), False, "uint16", lanes), COOPERLAKE, x, wp, out)
+    twin = _run(_dot_schedule(getattr(xi, intrin), True, "uint16", lanes),
+                {"kind": "llvm", "mcpu": "x86-64-v3"}, x, wp, out)
     assert np.array_equal(got, twin)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 

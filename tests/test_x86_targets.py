@@ -283,6 +283,11 @@ BF16_SPEC = {"library": {"name": "test-bf16"}, "kernel": [
      "src": "ab", "weights": "BA16b2a", "dst": "aB16b"},
     {"name": "mm_odd", "op": "matmul", "dtype": "bfloat16", "shape": [7, 19], "n": 13,
      "src": "ab", "weights": "BA16b2a", "dst": "ab"},
+    # 8-channel blocks: ymm vdpbf16ps on OIhw4i8o2i / BA8b2a
+    {**_BF16, "name": "conv_c8", "shape": [1, 12, 5, 6], "channels": 20, "src": "nChw8c",
+     "weights": "OIhw4i8o2i", "dst": "nChw8c"},
+    {"name": "mm_8", "op": "matmul", "dtype": "bfloat16", "shape": [9, 22], "n": 20,
+     "src": "ab", "weights": "BA8b2a", "dst": "ab"},
     # the same under the src policy, whose weights padding may be NaN: padding the reduction
     # to whole pairs would add 0 x NaN, so it stays on FMAs (blockpad.masked_reads)
     {"name": "mm_odd_masked", "op": "matmul", "dtype": "bfloat16", "shape": [7, 19], "n": 13,
@@ -311,7 +316,8 @@ def test_bf16_kernels_are_tensorized_to_vdpbf16ps(bf16_dir):
             continue
         code = kernel_instructions(funcs, k["name"])
         dots = [l for l in code if l.split() and l.split()[0] == "vdpbf16ps"]
-        assert dots and all("zmm" in l for l in dots), f"{k['name']}: no zmm vdpbf16ps"
+        reg = "ymm" if "8o2i" in k["weights"] or "8b2a" in k["weights"] else "zmm"
+        assert dots and all(reg in l for l in dots), f"{k['name']}: no {reg} vdpbf16ps"
         assert not any(l.split()[0].startswith("vfmadd") for l in code if l.split()), k["name"]
         assert not any("blockpad_vdpbf16ps" in l for l in code), k["name"]
     # 6 rows x 32 columns: one register tile of 6 x 2 vectors, each broadcast pair feeding two
@@ -332,7 +338,8 @@ def test_bf16_library_runs_here_and_matches_numpy(bf16_dir, rng):
 
 
 @pytest.mark.parametrize("spec", [k for k in BF16_SPEC["kernel"] if k["name"] in (
-    "conv_pad", "conv_halo", "conv_bias_relu", "conv_stride_dil", "mm_odd")] + [
+    "conv_pad", "conv_halo", "conv_bias_relu", "conv_stride_dil", "mm_odd", "conv_c8",
+    "mm_8")] + [
     {**_BF16, "name": "conv_groups", "shape": [1, 32, 5, 6], "channels": 32, "groups": 2,
      "weights": "gOIhw8i16o2i"},
     {**_BF16, "name": "conv_nhwc", "shape": [1, 16, 5, 5], "channels": 16, "kernel": [1, 3],
@@ -342,7 +349,8 @@ def test_bf16_schedule_matches_numpy_on_any_cpu_with_the_reference_twin(spec, rn
     on a CPU without the instruction, and on shapes the library lacks."""
     from blockpad.schedules.x86_tensorized import Vdpbf16
 
-    sig, run = _twin(spec, Vdpbf16(reference=True), "avx512-bf16")
+    lanes = 8 if "8o2i" in spec["weights"] or "8b2a" in spec["weights"] else 16
+    sig, run = _twin(spec, Vdpbf16(lanes, reference=True), "avx512-bf16")
     args = dot_inputs(sig, rng)
     run(args)
     _check(spec["name"], sig, args, exact=False)

@@ -61,6 +61,7 @@ def _kernel_dot(tasks: int, dtype: str):
     from blockpad.schedules import x86_intrin as xi
 
     vec = T.ramp(0, 1, 16)
+    fn, ir = xi.vdpbf16ps_fn(16)
     acc_dt, a_dt, b_dt = ("int32", "uint8", "int8") if dtype == "int8" else \
         ("float32", "int32", "int32")
     n = 64 if dtype == "int8" else 16
@@ -70,14 +71,14 @@ def _kernel_dot(tasks: int, dtype: str):
             return T.call_llvm_pure_intrin(
                 T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"), acc,
                 a.vload([0], "uint8x64"), b.vload([0], "int8x64"), dtype="int32x16")
-        return T.call_extern("float32x16", xi.VDPBF16PS_FN, acc, a.vload([0], "int32x16"),
+        return T.call_extern("float32x16", fn, acc, a.vload([0], "int32x16"),
                              b.vload([0], "int32x16"))
 
     @T.prim_func
     def peak(a: T.Buffer((n,), a_dt), b: T.Buffer((n,), b_dt),
              out: T.Buffer((tasks, CHAINS, 16), acc_dt)):
         T.func_attr({"tirx.noalias": True})
-        with T.attr(0, "pragma_import_llvm", xi.VDPBF16PS_IR):
+        with T.attr(0, "pragma_import_llvm", ir):
             for t in T.parallel(tasks):
                 acc = T.alloc_buffer((CHAINS, 16), acc_dt, scope="local")
                 for j in T.unroll(CHAINS):
