@@ -437,38 +437,31 @@ def test_maddubs_compiles_to_vpmaddubsw_and_vpmaddwd(lanes, mcpu, reg):
         assert not any(o[0] in ("vpmulld", "vpmovsxbd", "vpdpbusd") for o in ops), src
 
 
-def test_bf16_peak_kernel_is_vdpbf16ps_chains():
-    """``bench.peak --dtype bfloat16``: every chain step one zmm ``vdpbf16ps``, a target
-    without ``avx512_bf16`` refused by name; where the CPU has it, the chains (pairs of zero)
-    keep their start values."""
+# dtype: (target, a target without the instruction, instruction, products a step, feature, a
+# chain's value after one call from its start c over s steps: int8 adds 4 products of 1 x 1 a
+# step, bf16's pairs of zero add nothing)
+PEAKS = {"int8": ("avx512-vnni", "avx512", "vpdpbusd", 64, "avx512_vnni",
+                  lambda c, s: (c.astype("int64") + 4 * s).astype("int32")),
+         "bfloat16": ("avx512-bf16", "avx512-vnni", "vdpbf16ps", 32, "avx512_bf16",
+                      lambda c, s: c.astype("float32"))}
+
+
+@pytest.mark.parametrize("dtype", list(PEAKS))
+def test_dot_peak_kernels_are_chains_of_the_instruction(dtype):
+    """``bench.peak --dtype int8 | bfloat16`` times what it says: every chain step one zmm
+    ``vpdpbusd`` / ``vdpbf16ps`` (none folded away), a target without the instruction
+    refused by name, and where this CPU has it, the chains hold what the steps add."""
     from blockpad.bench import peak
     from blockpad.errors import SpecError
 
-    p = peak.Peak("avx512-bf16", 1, "bfloat16")
+    target, without, instr, products, feature, after = PEAKS[dtype]
+    p = peak.Peak(target, 1, dtype)
     asm = p._lib.mod.inspect_source("asm")
-    assert asm.count("vdpbf16ps") >= peak.CHAINS and "zmm" in asm
-    assert p.flops == peak.CHAINS * 2 * 32 * peak.STEPS
-    with pytest.raises(SpecError, match="avx512_bf16.*'avx512-vnni'"):
-        peak.Peak("avx512-vnni", 1, "bfloat16")
-    if HAVE_BF16:
+    assert asm.count(instr) >= peak.CHAINS and "zmm" in asm
+    assert p.flops == peak.CHAINS * 2 * products * peak.STEPS
+    with pytest.raises(SpecError, match=f"{feature}.*'{without}'"):
+        peak.Peak(without, 1, dtype)
+    if feature in machine.cpu_features():
         p()
-        want = np.arange(peak.CHAINS, dtype="float32")[:, None]
-        assert np.array_equal(p._args[2].numpy()[0], np.broadcast_to(want, (peak.CHAINS, 16)))
-
-
-def test_int8_peak_kernel_is_vpdpbusd_chains():
-    """``bench.peak --dtype int8`` times what it says: every chain step one ``vpdpbusd`` on zmm
-    (none folded away), and a target without VNNI is refused by name."""
-    from blockpad.bench import peak
-    from blockpad.errors import SpecError
-
-    p = peak.Peak("avx512-vnni", 1, "int8")
-    asm = p._lib.mod.inspect_source("asm")
-    assert asm.count("vpdpbusd") >= peak.CHAINS and "zmm" in asm
-    assert p.flops == peak.CHAINS * 2 * 64 * peak.STEPS
-    with pytest.raises(SpecError, match="avx512_vnni.*'avx512'"):
-        peak.Peak("avx512", 1, "int8")
-    if "avx512_vnni" in machine.cpu_features():
-        p()   # each int32 lane adds 4 products of 1 x 1 a step onto its chain's start value
-        want = (np.arange(peak.CHAINS, dtype="int64")[:, None] + 4 * peak.STEPS).astype("int32")
+        want = after(np.arange(peak.CHAINS), peak.STEPS)[:, None]
         assert np.array_equal(p._args[2].numpy()[0], np.broadcast_to(want, (peak.CHAINS, 16)))

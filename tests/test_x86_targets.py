@@ -114,15 +114,18 @@ AMX_TILES = {"mm_u8": "tdpbusd", "mm_s8": "tdpbssd", "mm_bf16": "tdpbf16ps",
 
 @pytest.fixture(scope="session")
 def vnni_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("avx512-vnni") / "lib"
-    bp.build(parse_spec(VNNI_SPEC), "avx512-vnni", out, log=lambda m: None)
-    return out
+    return _built(tmp_path_factory, VNNI_SPEC, "avx512-vnni")
 
 
 @pytest.fixture(scope="session")
 def amx_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("amx") / "lib"
-    bp.build(parse_spec(AMX_SPEC), "amx", out, log=lambda m: None)
+    return _built(tmp_path_factory, AMX_SPEC, "amx")
+
+
+def _built(tmp_path_factory, spec, target):
+    """``spec`` built for ``target`` as a user builds it, once a session."""
+    out = tmp_path_factory.mktemp(target) / "lib"
+    bp.build(parse_spec(spec), target, out, log=lambda m: None)
     return out
 
 
@@ -298,9 +301,7 @@ BF16_FMA = ("mm_odd_masked",)
 
 @pytest.fixture(scope="session")
 def bf16_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("avx512-bf16") / "lib"
-    bp.build(parse_spec(BF16_SPEC), "avx512-bf16", out, log=lambda m: None)
-    return out
+    return _built(tmp_path_factory, BF16_SPEC, "avx512-bf16")
 
 
 def test_bf16_kernels_are_tensorized_to_vdpbf16ps(bf16_dir):
@@ -380,9 +381,7 @@ HOST_SPEC = {"library": {"name": "test-host-int8"}, "kernel": [
 
 @pytest.fixture(scope="session")
 def host_int8_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("host-int8") / "lib"
-    bp.build(parse_spec(HOST_SPEC), "host", out, log=lambda m: None)
-    return out
+    return _built(tmp_path_factory, HOST_SPEC, "host")
 
 
 def test_host_int8_kernels_are_vpmaddubsw_and_vpmaddwd(host_int8_dir):
@@ -442,9 +441,7 @@ SEVEN_SPEC = {"library": {"name": "test-seven-bit"}, "kernel": [
 
 @pytest.fixture(scope="session")
 def seven_bit_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("seven-bit") / "lib"
-    bp.build(parse_spec(SEVEN_SPEC), "host", out, log=lambda m: None)
-    return out
+    return _built(tmp_path_factory, SEVEN_SPEC, "host")
 
 
 def _seven_bit_inputs(sig, rng):
