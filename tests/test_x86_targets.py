@@ -779,3 +779,20 @@ def test_seven_bit_check_reads_elements_not_the_gaps_of_a_strided_layout():
     buf[lay.logical_offsets()[1, 2, 0, 0]] = -65
     with pytest.raises(bp.ArgumentError, match=r"weight_bits = 7 .* got weights in \[-65, 5\]"):
         check_seven_bit(buf, lay, "k: argument 'weights'")
+
+
+def test_conv_int8_bench_takes_vdpbf16ps_weights_only_where_the_target_has_them(capsys):
+    """``blockpad bench conv-int8``: the bf16 column uses ``OIhw8i16o2i`` on a target with
+    ``avx512_bf16`` and plain blocks (FMAs) elsewhere; where this CPU runs avx512-bf16, the
+    quick run checks every variant against numpy and prints its row."""
+    from blockpad.bench import conv_int8
+
+    def bf16_weights(features):
+        return {k["weights"] for k in conv_int8.spec(True, features)["kernel"]
+                if k["dtype"] == "bfloat16"}
+
+    assert bf16_weights(get_target("avx512-bf16").features) == {"OIhw8i16o2i"}
+    assert bf16_weights(get_target("avx512-vnni").features) == {"OIhw16i16o"}
+    if HAVE_BF16:
+        rows = conv_int8.main(repeat=1, quick=True, target="avx512-bf16")
+        assert len(rows) == 1 and "bf16 / fp32" in capsys.readouterr().out
