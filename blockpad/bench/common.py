@@ -94,17 +94,11 @@ def step_times(g, inputs: dict, rounds: int = 5) -> dict:
     """Seconds per run of each step of ``g``'s plan for ``inputs`` (kernels, reorders, the
     policy's zero-pads at binding), averaged over ``rounds`` runs of the plan's calls."""
     runner = g.runner(**inputs)
-    plan = runner.plan
     g.run(inputs)
     with runner.arena() as exe:
-        labels = []
-        for i, st in enumerate(plan.steps):
-            labels += ["(bind)"] * sum(1 for s in plan.bind_at.get(i, ()) for b in s.bufs
-                                       if s.kind in ("arena", "output") and b.layout.has_padding)
-            labels.append(st.label)
         out = {}
         for _ in range(rounds):
-            for label, call in zip(labels, exe.calls):
+            for label, call in zip(exe.labels, exe.calls):
                 t0 = time.perf_counter()
                 call()
                 out[label] = out.get(label, 0.0) + (time.perf_counter() - t0) / rounds

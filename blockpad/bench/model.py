@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from blockpad.codegen.targets import native_target
+from blockpad.runtime.graph.execution import BIND_LABEL
 
 from .common import best_of_processes, interleaved_rounds, isolation, run_child, step_times, table
 
@@ -213,7 +214,7 @@ def _report(model, batch, hw, target, counts, results, conv_algorithm="auto", pr
 def _op_of(label, ops):
     if label in ops:
         return ops[label]
-    return label.split()[0] if label.startswith(("reorder", "(bind)")) else "other"
+    return label.split()[0] if label.startswith(("reorder", BIND_LABEL)) else "other"
 
 
 def _by_op(steps, ops) -> dict:
