@@ -31,7 +31,7 @@ VARIANTS = [("fp32", "float32", "OIhw16i16o"), ("bf16", "bfloat16", "OIhw8i16o2i
 TOLERANCE = 1e-4
 
 
-def spec(quick: bool = False, features=("avx512_bf16",)) -> dict:
+def spec(quick: bool, features) -> dict:
     """The layers' kernels for a target with ``features`` (bf16 takes the widening FMA
     path's weights where there is no ``avx512_bf16``)."""
     kernels = []

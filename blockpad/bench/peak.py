@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -62,9 +63,8 @@ def _kernel_dot(tasks: int, dtype: str):
 
     vec = T.ramp(0, 1, 16)
     fn, ir = xi.vdpbf16ps_fn(16)
-    acc_dt, a_dt, b_dt = ("int32", "uint8", "int8") if dtype == "int8" else \
-        ("float32", "int32", "int32")
-    n = 64 if dtype == "int8" else 16
+    kind = _DOT_PEAKS[dtype]
+    acc_dt, a_dt, b_dt, n = kind.acc, kind.operand, kind.weights, kind.elements
 
     def step(acc, a, b):
         if dtype == "int8":
@@ -92,10 +92,25 @@ def _kernel_dot(tasks: int, dtype: str):
     return peak
 
 
-# dtype -> (CPU feature, instruction, the targets that have it, ops per step)
-_DOT_ACC = {"int8": "int32", "bfloat16": "float32"}
-_DOT_PEAKS = {"int8": ("avx512_vnni", "vpdpbusd", "avx512-vnni, avx512-bf16, amx", 2 * 64),
-              "bfloat16": ("avx512_bf16", "vdpbf16ps", "avx512-bf16, amx", 2 * 32)}
+class _DotPeak(NamedTuple):
+    """A dot-product peak kernel: the CPU feature and instruction it needs, the targets that
+    have it, ops a step (a multiply and an add per product), the accumulator type, and the
+    element type and count of its two register operands (bf16 pairs as int32 dwords)."""
+
+    feature: str
+    instr: str
+    targets: str
+    per_step: int
+    acc: str
+    operand: str
+    weights: str
+    elements: int
+
+
+_DOT_PEAKS = {"int8": _DotPeak("avx512_vnni", "vpdpbusd", "avx512-vnni, avx512-bf16, amx",
+                               2 * 64, "int32", "uint8", "int8", 64),
+              "bfloat16": _DotPeak("avx512_bf16", "vdpbf16ps", "avx512-bf16, amx", 2 * 32,
+                                   "float32", "int32", "int32", 16)}
 
 
 class Peak:
@@ -113,16 +128,17 @@ class Peak:
 
         tgt = get_target(target)
         if dtype in _DOT_PEAKS:
-            feature, instr, targets, per_step = _DOT_PEAKS[dtype]
-            if feature not in tgt.features:
-                raise SpecError(f"the {dtype} peak runs {instr}: expected a target with "
-                                f"{feature} ({targets}); got {target!r}")
-            func, lanes = _kernel_dot(threads, dtype), 16
-            if dtype == "int8":   # int32 wraps harmlessly: only the time matters
-                a, b = np.full(64, 1, "uint8"), np.full(64, 1, "int8")
-            else:                 # bf16 pairs of 0: the sums stay 0, no denormals
-                a = b = np.zeros(16, "int32")
-            args = (a, b, np.zeros((threads, CHAINS, 16), _DOT_ACC[dtype]))
+            kind = _DOT_PEAKS[dtype]
+            if kind.feature not in tgt.features:
+                raise SpecError(f"the {dtype} peak runs {kind.instr}: expected a target with "
+                                f"{kind.feature} ({kind.targets}); got {target!r}")
+            func, lanes, per_step = _kernel_dot(threads, dtype), 16, kind.per_step
+            # int8: ones (int32 wraps harmlessly: only the time matters); bf16: pairs of 0,
+            # so the sums stay 0, no denormals
+            fill = 1 if dtype == "int8" else 0
+            args = (np.full(kind.elements, fill, kind.operand),
+                    np.full(kind.elements, fill, kind.weights),
+                    np.zeros((threads, CHAINS, 16), kind.acc))
         elif dtype == "float32":
             lanes = tgt.vector_bytes // 4
             func = _kernel(lanes, threads)

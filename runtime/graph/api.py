@@ -553,9 +553,8 @@ class Graph:
         than float32); bf16 ``OIhw<b/2>i<b>o2i`` where the cache's target has ``vdpbf16ps``
         (``avx512_bf16``: 2.4x the FMAs on a ResNet 3x3 layer), else ``OIhw<b>i<b>o``: FMAs of
         widened bf16 run 0.56x as fast on the pairs (avx512: 55 against 97 GFLOP/s); depthwise
-        (groups = C = K)
-        ``Goihw<b>g``, the groups blocked as the source's channels are; other grouped
-        ``gOIhw<b>i<b>o`` (each group's K/G x C/G padded to whole blocks)."""
+        (groups = C = K) ``Goihw<b>g``, the groups blocked as the source's channels are; other
+        grouped ``gOIhw<b>i<b>o`` (each group's K/G x C/G padded to whole blocks)."""
         if groups == 1:
             steps = dot_steps(dtype, self.cache.target_features)
             return f"OIhw{block // steps}i{block}o{steps}i" if steps else f"OIhw{block}i{block}o"
