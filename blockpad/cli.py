@@ -98,6 +98,9 @@ def main(argv=None) -> int:
                    "all)")
     p.add_argument("--spec", default=None, help="check the kernels of this TOML spec (one "
                    "per entry; a failure's spec) instead of random ones")
+    p.add_argument("--benchdnn", default=None, metavar="FILE", help="check the convolution "
+                   "problems of this oneDNN benchdnn batch file (--dt, --attr-*, descriptors, "
+                   "--batch); the ones blockpad cannot state are listed with the reason")
     p.add_argument("--shrink", action="store_true", help="simplify each failing case (a "
                    "build per try) before writing its spec")
     p.add_argument("--batch", type=int, default=25, help="kernels per built library")
@@ -188,7 +191,8 @@ def _check(args):
             raise BlockpadError(f"--ops: expected some of {', '.join(generate.CHECKED_OPS)}; got "
                                 f"{', '.join(unknown)}")
     summary = check(args.target, args.cases, args.seed, ops, args.case, args.batch, args.out,
-                    args.work, spec=args.spec, shrink=args.shrink, build_only=args.build_only)
+                    args.work, spec=args.spec, shrink=args.shrink, build_only=args.build_only,
+                    benchdnn=args.benchdnn)
     return 1 if summary.failed else 0
 
 

@@ -290,7 +290,7 @@ def test_destination_zero_point_breaks_zero_propagation():
 
 @pytest.mark.parametrize("change,message", [
     ({"dtype": "float32", "weights": "OIhw16i16o", "src_zero_point": 1}, "need a uint8 or int8"),
-    ({"src_zero_point": 256}, "src_zero_point"),
+    ({"src_zero_point": 2 ** 24}, "cannot overflow"),   # 128 x 2**24 = 2**31: no taps fit
     ({"src_zero_point": 1.5}, "src_zero_point"),
     ({"dst_zero_point": 200}, "dst_zero_point"),       # int8 destination
     ({"dst_scale": 0.0}, "dst_scale"),

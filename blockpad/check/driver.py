@@ -56,9 +56,11 @@ class Summary:
 def check(target: str, cases: int = 100, seed: int = 0, ops=generate.CHECKED_OPS, only=None,
           batch: int = 25, out: str = "check-failures", work: str | None = None,
           log=print, spec: str | None = None, shrink: bool = False,
-          build_only: bool = False) -> Summary:
+          build_only: bool = False, benchdnn: str | None = None) -> Summary:
     """Check ``cases`` random cases (or case ``only``) of ``seed`` on ``target``; with
-    ``spec``, the kernels of that TOML spec instead (on random data drawn from ``seed``).
+    ``spec``, the kernels of that TOML spec instead (on random data drawn from ``seed``); with
+    ``benchdnn``, the convolution problems of that benchdnn batch file that blockpad can state
+    (the others are listed with the reason, ``check/benchdnn.py``).
     ``shrink``: simplify each failing case before writing its spec. ``build_only``: build the
     libraries into ``work`` with a plan of what to run (``PLAN``), to be run by ``run_built``
     on a machine that has the target (a GPU host); only build failures are reported here."""
@@ -67,8 +69,13 @@ def check(target: str, cases: int = 100, seed: int = 0, ops=generate.CHECKED_OPS
                             "libraries and their plan are written to")
     _check_target(target, runs_here=not build_only)
     ops = tuple(ops)
-    if spec is not None:
+    flag = "--spec"
+    if benchdnn is not None:
+        given = benchdnn_cases(benchdnn, target, log)
+        spec, flag = benchdnn, "--benchdnn"
+    elif spec is not None:
         given = spec_cases(spec)
+    if spec is not None:
         if only is not None and only not in given:
             raise SpecError(f"{spec}: has no case {only} (it has {', '.join(map(str, given))})")
         ks = [only] if only is not None else list(given)
@@ -77,7 +84,7 @@ def check(target: str, cases: int = 100, seed: int = 0, ops=generate.CHECKED_OPS
         ks = [only] if only is not None else list(range(cases))
         draw, what = (lambda k: generate.case(seed, k, target, ops)), f"{len(ks)} cases"
     run = Run(target, seed, ops, spec, out, log,
-              work or tempfile.mkdtemp(prefix="blockpad-check-"))
+              work or tempfile.mkdtemp(prefix="blockpad-check-"), flag)
     log(f"blockpad check: target {target}, seed {seed}, {what} in batches of {batch}"
         + ("" if spec else f" (ops: {', '.join(ops)})") + (", build only" if build_only else ""))
     batches = [ks[i:i + batch] for i in range(0, len(ks), batch)]
@@ -117,7 +124,7 @@ PLAN = "check-plan.json"   # what --build-only leaves for --run-built, beside th
 def _write_plan(run, plan):
     with open(os.path.join(run.scratch, PLAN), "w") as f:
         json.dump({"target": run.target, "seed": run.seed, "ops": list(run.ops),
-                   "spec": run.spec, "libraries": plan}, f)
+                   "spec": run.spec, "spec_flag": run.flag, "libraries": plan}, f)
 
 
 def run_built(work: str, out: str = "check-failures", log=print) -> Summary:
@@ -132,7 +139,8 @@ def run_built(work: str, out: str = "check-failures", log=print) -> Summary:
                             f"--build-only --work {work}") from None
     target = doc["target"]
     _check_target(target, runs_here=True)
-    run = Run(target, doc["seed"], tuple(doc["ops"]), doc["spec"], out, log, work)
+    run = Run(target, doc["seed"], tuple(doc["ops"]), doc["spec"], out, log, work,
+              doc.get("spec_flag", "--spec"))
     libs = [(os.path.join(work, lib["dir"]), {int(k): e for k, e in lib["cases"]})
             for lib in doc["libraries"]]
     log(f"blockpad check: target {target}, seed {doc['seed']}, running "
@@ -177,11 +185,29 @@ def spec_cases(path) -> dict:
     return out
 
 
+def benchdnn_cases(path, target: str, log) -> dict:
+    """``{k: entry}`` of the problems of a benchdnn batch file that blockpad can state; the
+    others are logged, counted by reason, each reason with its first problem."""
+    from .benchdnn import problems
+
+    probs = problems(path, target)
+    out = {k: p.entry for k, p in enumerate(probs) if p.entry is not None}
+    reasons: dict = {}
+    for p in probs:
+        if p.entry is None:
+            reasons.setdefault(p.reason, []).append(p)
+    log(f"benchdnn {path}: {len(probs)} problems, {len(out)} that blockpad states, "
+        f"{len(probs) - len(out)} it does not:")
+    for reason, ps in sorted(reasons.items(), key=lambda r: -len(r[1])):
+        log(f"  {len(ps):4d} x {reason}\n         e.g. {ps[0].where}: {ps[0].line}")
+    return out
+
+
 class Run:
     """One ``check`` run: where it builds, what it has found, how it reports."""
 
-    def __init__(self, target, seed, ops, spec, out, log, scratch):
-        self.target, self.seed, self.ops, self.spec = target, seed, ops, spec
+    def __init__(self, target, seed, ops, spec, out, log, scratch, flag="--spec"):
+        self.target, self.seed, self.ops, self.spec, self.flag = target, seed, ops, spec, flag
         self.out, self.log, self.scratch = out, log, scratch
         self.summary = Summary(target, seed)
         self.builds = 0
@@ -221,7 +247,7 @@ class Run:
         if r["status"] == "ok":
             return
         k = r["case"]
-        cmd = replay.command(self.target, self.seed, k, self.ops, self.spec)
+        cmd = replay.command(self.target, self.seed, k, self.ops, self.spec, self.flag)
         via = f" (called {r['call']})" if r.get("call") else ""
         self.log(f"FAIL case {k} [{r['status']}] {describe(entry)}{via}")
         for p in r["problems"]:

@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from blockpad.layout import pad_sides
 from blockpad.vocabulary import post_op_tensors
 
 # unit roundoff of the type a kernel computes in
@@ -133,13 +134,14 @@ def pool(entry, t):
 
 
 def conv(x, w, entry):
-    """Direct convolution of float64 or int64 arrays, oneDNN's definition: stride, symmetric
-    pad, dilation (1 = dense), groups with weights ``(G, K/G, C/G, KH, KW)``."""
-    (sh, sw), (ph, pw), (dh, dw) = entry["stride"], entry["pad"], entry["dilation"]
+    """Direct convolution of float64 or int64 arrays, oneDNN's definition: stride, pad (per
+    side or symmetric: ``layout.pad_sides``), dilation (1 = dense), groups with weights
+    ``(G, K/G, C/G, KH, KW)``."""
+    (sh, sw), (dh, dw) = entry["stride"], entry["dilation"]
     g = entry["groups"]
     w = w.reshape(-1, *w.shape[-3:]) if g > 1 else w        # (K, C/G, KH, KW)
     kh, kw = w.shape[2:]
-    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    xp = np.pad(x, ((0, 0), (0, 0), *pad_sides(entry["pad"])))
     oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
     ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
     cg, kg = x.shape[1] // g, w.shape[0] // g

@@ -9,12 +9,13 @@ import os
 from .generate import CHECKED_OPS
 
 
-def command(target: str, seed: int, k: int, ops, spec=None) -> str:
+def command(target: str, seed: int, k: int, ops, spec=None, flag="--spec") -> str:
     """``blockpad check`` for case ``k`` alone (the same data: it is drawn from seed and case),
-    of the generated cases or of ``spec``."""
+    of the generated cases or of ``spec`` (a TOML spec, or with ``flag = "--benchdnn"`` a
+    benchdnn batch file)."""
     cmd = f"blockpad check --target {target} --seed {seed}"
     if spec is not None:
-        return f"{cmd} --spec {spec} --case {k}"
+        return f"{cmd} {flag} {spec} --case {k}"
     cmd += f" --case {k}"
     if tuple(ops) != CHECKED_OPS:
         cmd += " --ops " + ",".join(ops)

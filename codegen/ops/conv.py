@@ -112,7 +112,8 @@ def signature(shape, dtype, params):
     geo = Geometry.of(tuple(shape), *(params[p] for p in
                       ("channels", "kernel", "stride", "pad", "dilation", "groups")))
     wei, _, out = postops.types(dtype)
-    out = quant.dst_dtype(dtype, quant.check(dtype, params), out)
+    taps = geo.c // geo.groups * geo.kernel[0] * geo.kernel[1]
+    out = quant.dst_dtype(dtype, quant.check(dtype, params, taps), out)
     dst = (geo.n, geo.k, *geo.out)
     weights = geo.weights
     if params.get("algorithm") == "winograd":   # the weights come transformed (winograd.py)

@@ -34,7 +34,7 @@ def signature(shape, dtype, params):
         raise SpecError(f"matmul: shape is the source's (M, K) and n a positive integer; got "
                         f"shape {list(shape)}, n {n!r}")
     wei, _, out = postops.types(dtype)
-    out = quant.dst_dtype(dtype, quant.check(dtype, params), out)
+    out = quant.dst_dtype(dtype, quant.check(dtype, params, shape[1]), out)
     dst = (shape[0], n)
     return {"src": (tuple(shape), dtype), "weights": ((shape[1], n), wei),
             **postops.tensors(params["post_ops"], dst, n, dtype, params),

@@ -71,9 +71,11 @@ def _int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
-def check(src_dtype: str, params: dict) -> dict:
+def check(src_dtype: str, params: dict, taps: int | None = None) -> dict:
     """The attributes of a kernel whose source is ``src_dtype``, defaults filled in; a
-    SpecError names a bad value, or any attribute given to a floating-point kernel."""
+    SpecError names a bad value, or any attribute given to a floating-point kernel. ``taps``:
+    the products summed per output (C/G x KH x KW, a matmul's K), which bound a source zero
+    point outside the source's range (``zero_point_fits``)."""
     q = {k: params.get(k, v) for k, v in QUANT_DEFAULTS.items()}
     given = sorted(k for k, v in q.items() if v != QUANT_DEFAULTS[k])
     if src_dtype == BF16:   # its destination's type only: float32 or bfloat16
@@ -84,10 +86,13 @@ def check(src_dtype: str, params: dict) -> dict:
             raise SpecError(f"{', '.join(given)}: quantization attributes need a uint8 or int8 "
                             f"source; got {src_dtype}")
         return q
-    lo, hi = RANGE[src_dtype]
-    if not _int(q["src_zero_point"]) or not lo <= q["src_zero_point"] <= hi:
-        raise SpecError(f"src_zero_point: expected an integer in [{lo}, {hi}] ({src_dtype} "
-                        f"source); got {q['src_zero_point']!r}")
+    zp = q["src_zero_point"]
+    if not _int(zp) or not RANGE["int32"][0] <= zp <= RANGE["int32"][1]:
+        raise SpecError(f"src_zero_point: expected an int32 integer; got {zp!r}")
+    if taps is not None and not zero_point_fits(src_dtype, int(zp), taps):
+        raise SpecError(f"src_zero_point {zp}: outside the {src_dtype} range, a zero point is "
+                        f"taken where the int32 accumulator cannot overflow, (|largest "
+                        f"product| + 128 |zp|) x {taps} products < 2**31")
     if q["weight_bits"] not in WEIGHT_BITS or isinstance(q["weight_bits"], bool):
         raise SpecError(f"weight_bits: expected 8 (int8 weights) or 7 (every weight in "
                         f"[-64, 64]); got {q['weight_bits']!r}")
@@ -102,6 +107,18 @@ def check(src_dtype: str, params: dict) -> dict:
         raise SpecError(f"dst_zero_point: expected an integer in [{lo}, {hi}] ({dst} "
                         f"destination); got {q['dst_zero_point']!r}")
     return q
+
+
+def zero_point_fits(src_dtype: str, zp: int, taps: int) -> bool:
+    """Whether source zero point ``zp`` keeps the int32 arithmetic exact: any value of the
+    source's type does (ONNX's zero points, and the accumulation every int8 library does in
+    int32 whatever the zero point); oneDNN also takes others (an int8 source shifted by 135),
+    which are accepted where ``acc - zp * comp`` provably stays in int32: each of the ``taps``
+    products is at most 255 x 128 (uint8) or 128 x 128, each compensation term 128 |zp|."""
+    lo, hi = RANGE[src_dtype]
+    if lo <= zp <= hi:
+        return True
+    return (max(abs(lo), hi) * 128 + 128 * abs(zp)) * taps < 2 ** 31
 
 
 def dst_dtype(src_dtype: str, params: dict, natural: str = "float32") -> str:
