@@ -51,6 +51,8 @@ ELTWISE = {
     "tanh": lambda x, a, b: np.tanh(x),
     "clip": lambda x, a, b: np.clip(x, a, b),
     "linear": lambda x, a, b: a * x + b,
+    "abs": lambda x, a, b: np.abs(x),
+    "round": lambda x, a, b: np.rint(x),
 }
 
 
@@ -136,7 +138,13 @@ def pool(entry, t):
 def conv(x, w, entry):
     """Direct convolution of float64 or int64 arrays, oneDNN's definition: stride, pad (per
     side or symmetric: ``layout.pad_sides``), dilation (1 = dense), groups with weights
-    ``(G, K/G, C/G, KH, KW)``."""
+    ``(G, K/G, C/G, KH, KW)``. Integer arrays whose every partial sum float64 holds exactly
+    (any int8 convolution) are summed in float64, where numpy has BLAS: int64 products have
+    none, and oneDNN's larger problems (1000x1000 images) would take minutes."""
+    if x.dtype.kind == "i" and x.size and w.size:
+        terms = w[0].size if entry["groups"] == 1 else w[0, 0].size
+        if float(np.abs(x).max()) * float(np.abs(w).max()) * terms < 2 ** 53:
+            return conv(x.astype(np.float64), w.astype(np.float64), entry).astype(np.int64)
     (sh, sw), (dh, dw) = entry["stride"], entry["dilation"]
     g = entry["groups"]
     w = w.reshape(-1, *w.shape[-3:]) if g > 1 else w        # (K, C/G, KH, KW)
@@ -148,8 +156,9 @@ def conv(x, w, entry):
     out = []
     for gi in range(g):
         xg, wg = xp[:, gi * cg:(gi + 1) * cg], w[gi * kg:(gi + 1) * kg]
-        out.append(sum(np.einsum("nchw,kc->nkhw", xg[:, :, i * dh:i * dh + sh * oh:sh,
-                                                      j * dw:j * dw + sw * ow:sw], wg[:, :, i, j])
+        out.append(sum(np.tensordot(xg[:, :, i * dh:i * dh + sh * oh:sh,
+                                       j * dw:j * dw + sw * ow:sw], wg[:, :, i, j],
+                                    axes=([1], [1])).transpose(0, 3, 1, 2)
                        for i in range(kh) for j in range(kw)))
     return np.concatenate(out, axis=1)
 

@@ -41,6 +41,8 @@ ALGORITHMS = {
     "tanh": lambda x, a, b: tirx.Select(is_nan(x), x, tirx.tanh(x)),    # TVM's clamps NaN
     "clip": lambda x, a, b: nan_min(nan_max(x, _c(x, a)), _c(x, b)),    # [alpha, beta]
     "linear": lambda x, a, b: x * _c(x, a) + _c(x, b),                  # alpha * x + beta
+    "abs": lambda x, a, b: tirx.abs(x),
+    "round": lambda x, a, b: tirx.nearbyint(x),          # half to even, as oneDNN's round
 }
 
 PARAMS = ELTWISE_DEFAULTS

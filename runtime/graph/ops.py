@@ -104,6 +104,8 @@ ELTWISE = {
     "tanh": lambda x, a, b: np.tanh(x),
     "clip": lambda x, a, b: np.clip(x, a, b),
     "linear": lambda x, a, b: a * x + b,
+    "abs": lambda x, a, b: np.abs(x),
+    "round": lambda x, a, b: np.rint(x),
 }
 
 
