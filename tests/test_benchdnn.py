@@ -159,3 +159,13 @@ def test_onednn_int8_lists_are_stated_or_outside_the_attributes(name):
     ps = benchdnn.problems(os.path.join(LISTS, f"harness_conv_{name}"), "avx512-vnni")
     refused = [p for p in ps if p.entry is None and not p.reason.startswith(OUTSIDE)]
     assert not refused, "\n".join(f"{p.where}: {p.line}: {p.reason}" for p in refused[:5])
+
+
+def test_memory_formats():
+    opts = {**benchdnn.DEFAULTS, "dt": "u8:s8:s8", "stag": "axb", "dtag": "aBcd8b"}
+    e = benchdnn.case(opts, "mb1ic5ih6oc7oh6kh3ph1", 0, "host")
+    assert (e["src"], e["dst"], e["weights"]) == ("nhwc", "nChw8c", "OIhw4i16o4i")
+    with pytest.raises(benchdnn.Unsupported, match="--wtag"):
+        benchdnn.case({**opts, "wtag": "OIhw16i16o"}, "mb1ic5ih6oc7oh6kh3ph1", 0, "host")
+    with pytest.raises(benchdnn.Unsupported, match="--stag=ABcd16a16b"):
+        benchdnn.case({**opts, "stag": "ABcd16a16b"}, "mb1ic5ih6oc7oh6kh3ph1", 0, "host")
