@@ -53,8 +53,9 @@ def logs_digest(root, target: Target) -> str:
 
 def target_key(tvm_target) -> str:
     """A TVM target as records compare it: ``num-cores`` is left out (MetaSchedule requires it
-    when tuning; it does not change the code a schedule compiles to)."""
-    spec = {k: v for k, v in dict(tvm_target.export()).items() if k != "num-cores"}
+    when tuning; it does not change the code a schedule compiles to), and so are LLVM's own
+    options (``cl-opt``: what LLVM does after TVM, not which schedule variant is fastest)."""
+    spec = {k: v for k, v in dict(tvm_target.export()).items() if k not in ("num-cores", "cl-opt")}
     return json.dumps(spec, sort_keys=True, default=str)
 
 

@@ -169,3 +169,26 @@ def test_memory_formats():
         benchdnn.case({**opts, "wtag": "OIhw16i16o"}, "mb1ic5ih6oc7oh6kh3ph1", 0, "host")
     with pytest.raises(benchdnn.Unsupported, match="--stag=ABcd16a16b"):
         benchdnn.case({**opts, "stag": "ABcd16a16b"}, "mb1ic5ih6oc7oh6kh3ph1", 0, "host")
+
+
+MASKED_STORE_PROBLEM = ("--reset --mb=2 --dir=FWD_B --dt=s8:s8:u8 "
+                        "--attr-scales=src:common:0.25*+wei:per_oc:0.5*+dst:common:2* "
+                        "--attr-post-ops=sum:1.5:2+relu ic21oc25_ih13oh13kh3ph1\n")
+
+
+def test_predicated_stores_stay_predicated(tmp_path):
+    """The first wrong answer ``--benchdnn`` found (oneDNN's harness_conv_attrs_int8): 25
+    uint8 channels in nChw16c, dst_scale 2 and a relu; under the policies that write valid
+    elements only, LLVM's loop vectorizer made AVX-512 masked stores of the epilogue's scalar
+    loop that wrote channels 25-27 (``targets._X86_LLVM``). Each of the six copies runs under
+    the next policy."""
+    from blockpad.codegen.targets import native_target
+
+    target = native_target()
+    if target == "host":
+        pytest.skip("this CPU has no AVX-512: the masked stores were AVX-512's")
+    path = tmp_path / "problem"
+    path.write_text(MASKED_STORE_PROBLEM * 6)
+    summary = check(target, seed=1127, benchdnn=str(path), out=str(tmp_path),
+                    log=lambda *a: None)
+    assert summary.checked == 6 and summary.counts["ok"] == 6, summary.failures
