@@ -386,7 +386,8 @@ def _quant(rng, entry):
         entry["weight_bits"] = 7
     entry.update(src_zero_point=int(rng.integers(lo, hi + 1)) if rng.random() < 0.8 else 0,
                  scales=str(rng.choice(["channel", "tensor"])), dst_dtype=dst,
-                 dst_scale=float(rng.choice([1.0, 0.05, 0.02])),
+                 # 0.5: a power of two, a multiply to LLVM (other code: targets._X86_LLVM)
+                 dst_scale=float(rng.choice([1.0, 0.05, 0.02, 0.5])),
                  dst_zero_point=int(rng.integers(zlo, zhi + 1)) if rng.random() < 0.7 else 0)
     chain = entry["post_ops"]
     for p in chain:
