@@ -48,7 +48,8 @@ import shlex
 from dataclasses import dataclass
 
 from blockpad.errors import SpecError
-from blockpad.vocabulary import BINARY_POST_OPS, post_op_tensors
+from blockpad.layout import window_out_size
+from blockpad.vocabulary import BINARY_POST_OPS, QUANT_DST_DTYPES, post_op_tensors
 
 from .generate import PROFILES
 
@@ -129,13 +130,13 @@ def _read(path, opts, out, target, depth):
                                        f"beside {os.path.basename(path)}"))
             elif key == "cfg":
                 opts["dt"] = value
-            elif key in DEFAULTS or key not in HARNESS:
+            elif key not in HARNESS:
                 opts[key] = value       # an unknown option makes its problems unsupported
 
 
 def _alternatives(opts) -> list[dict]:
     """Every combination of the options' comma-separated values."""
-    keys = [k for k in opts if k in DEFAULTS or k not in HARNESS]
+    keys = list(opts)
     values = [opts[k].split(",") if opts[k] else [""] for k in keys]
     return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
 
@@ -230,17 +231,13 @@ def _types(dt: str) -> tuple:
     if src in INTEGER:
         if wei != "int8":
             raise Unsupported(f"{wei} weights on a {src} source: int8 weights only")
-        if dst not in ("float32", "int32", "int8", "uint8"):
-            raise Unsupported(f"a {dst} destination of an integer convolution (float32, "
-                              f"int32, int8 or uint8)")
+        if dst not in QUANT_DST_DTYPES:
+            raise Unsupported(f"a {dst} destination of an integer convolution "
+                              f"({', '.join(QUANT_DST_DTYPES)})")
     elif src != wei or not (dst == src or (src == "bfloat16" and dst == "float32")):
         raise Unsupported(f"types {dt}: a {src} convolution takes {src} weights and writes "
                           f"{src}" + (" or float32" if src == "bfloat16" else ""))
     return src, dst
-
-
-def _fields(item: str) -> list:
-    return item.split(":")
 
 
 def _scales(text: str, legacy_oscale: str | None) -> tuple:
@@ -254,14 +251,15 @@ def _scales(text: str, legacy_oscale: str | None) -> tuple:
             raise Unsupported(f"output scale policy {policy}")
         return ("channel" if policy == "per_oc" else "tensor"), 1.0, True
     for item in filter(None, text.split("+")):
-        arg, policy, *rest = _fields(item) + [""]
+        arg, policy, *rest = item.split(":") + [""]
         given = True
         if arg == "wei" and policy in ("per_oc", "per_dim_0"):
             scales = "channel"
         elif policy != "common":
             raise Unsupported(f"a {policy} {arg} scale (per tensor only, but for the weights)")
         elif arg == "dst":
-            dst_scale = float(rest[0].rstrip("*")) if rest[0].rstrip("*") else 1.0
+            value = rest[0].rstrip("*")
+            dst_scale = float(value) if value else 1.0
         elif arg not in ("src", "wei"):
             raise Unsupported(f"a scale on {arg}")
     return scales, dst_scale, given
@@ -270,7 +268,7 @@ def _scales(text: str, legacy_oscale: str | None) -> tuple:
 def _zero_points(text: str) -> dict:
     out = {}
     for item in filter(None, text.split("+")):
-        arg, policy, *rest = _fields(item) + [""]
+        arg, policy, *rest = item.split(":") + [""]
         if arg == "wei":
             raise Unsupported("a weight zero point (blockpad's int8 weights are symmetric)")
         if arg not in ("src", "dst"):
@@ -284,7 +282,7 @@ def _zero_points(text: str) -> dict:
 
 
 def _post_op(item: str, mb: int) -> list:
-    name, *args = _fields(item)
+    name, *args = item.split(":")
     if name == "sum":
         p = {"kind": "sum"}
         if args and args[0]:
@@ -425,11 +423,7 @@ def case(opts: dict, desc: str, k: int, target: str) -> dict:
         parse_spec({"kernel": [entry]})
     except SpecError as e:
         raise Unsupported(f"blockpad's spec refuses it: {e}") from None
-    if geo["oh"] != _out(geo, "h") or geo["ow"] != _out(geo, "w"):
+    if any(geo["o" + x] != window_out_size(geo["i" + x], geo["k" + x], geo["s" + x],
+                                           geo["p" + x], geo["d" + x]) for x in "hw"):
         raise SpecError(f"{desc}: internal: blockpad's output size differs from benchdnn's")
     return entry
-
-
-def _out(geo, x) -> int:
-    (p, b), span = geo["p" + x], (geo["k" + x] - 1) * geo["d" + x] + 1
-    return (geo["i" + x] + p + b - span) // geo["s" + x] + 1
