@@ -58,7 +58,7 @@ from blockpad.vocabulary import ACC, DST, WEIGHT_SUMS, ZP_COMP
 from .common import REDUCE, SPATIAL, divisor_at_most, element_strides, vector_lanes
 from .dot_rewrites import DotShape, lift_conditions, lift_weight_guard, pad_dot, set_predicate, take_predicate
 from .generic import root_blocks, spatial_parallel_vectorize
-from .nest import substitute
+from .nest import substitute, uses
 from .rule import ScheduleRule
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
@@ -253,10 +253,28 @@ def tile_acc(sch, acc, nest, at_loop, steps, blocks, lanes):
     reduce = list(loops[-n_red:])
     r = nest.r - nest.n_sp
     r_outer, r_inner = sch.split(reduce[r], [None, steps])
-    reduce = [*reduce[:r], *reduce[r + 1:], r_outer]   # r's outer part walks the source innermost
+    taps = [*reduce[:r], *reduce[r + 1:]]
+    block = _steps_per_block(nest)
+    if taps and block and int(sch.get(r_outer).extent) % block == 0:
+        # the weights' order: a block of channels outside the taps, its steps inside
+        r_block, r_outer = sch.split(r_outer, [None, block])
+        taps = [r_block, *taps]
+    reduce = [*taps, r_outer]   # r's outer part walks the source innermost
     sch.reorder(*reduce, at, *cols, av, r_inner)
     init = sch.decompose_reduction(acc, reduce[0])
     return acc, init
+
+
+def _steps_per_block(nest) -> int | None:
+    """Dot-product steps in one block of the weights' reduction dim (``OIhw4i16o4i``: the
+    ``4i`` between ``hw`` and ``16o``, 4 steps of 4 channels), or None where the weights do not
+    block it (matmul's ``BA16b4a``). The reduction walks a block's steps inside the taps, in
+    the order the weights lie: walking every channel of a tap first jumped ``kh x kw`` rows of
+    weights per block, across pages the hardware prefetcher does not follow, and a network's
+    weights, which come from memory on each inference, arrived one miss at a time."""
+    r = nest.vars[nest.r]
+    dims = [i for i, x in enumerate(nest.wei.indices) if uses(x, r)]
+    return int(nest.wei.source.shape[dims[-2]]) if len(dims) >= 3 else None
 
 
 def _rows(n: int, limit: int) -> int:
