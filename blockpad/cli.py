@@ -70,9 +70,11 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1, help="bench model: batch size")
     p.add_argument("--hw", type=int, default=224, help="bench model: image height and width")
     p.add_argument("--conv-algorithm", choices=["auto", "direct"], default="auto",
-                   help="bench model: blockpad's convolutions (auto: Winograd where it pays)")
+                   help="bench model, resnet: blockpad's convolutions (auto: Winograd where "
+                   "it pays)")
     p.add_argument("--processes", type=_positive, default=1,
-                   help="bench model, int8: processes per contender, round by round; each "
+                   help="bench model, int8, resnet (at more than 1 thread): processes per "
+                   "contender, round by round; each "
                    "contender's fastest process (by median) is reported (a VM can take a core "
                    "from a process for its whole life)")
     p.set_defaults(run=_bench)
@@ -236,7 +238,8 @@ def _bench(args):
         from .bench import resnet
 
         resnet.main(repeat=args.repeat, threads=args.threads, quick=args.quick,
-                    target=args.target)
+                    target=args.target, algorithm=args.conv_algorithm,
+                    processes=args.processes)
         return
     if args.what == "model":
         from .bench import model

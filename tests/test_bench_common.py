@@ -1,5 +1,13 @@
-"""The benchmarks' process bookkeeping (no process is started here)."""
+"""The benchmarks' process bookkeeping, and one contender run as a child process the way the
+benchmarks at more than one thread run each."""
 
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from blockpad.bench import resnet
 from blockpad.bench.common import best_of_processes, isolation
 
 
@@ -20,3 +28,18 @@ def test_best_of_processes_interleaves_rounds_and_keeps_each_fastest():
     assert {k: v["ms"] for k, v in got.items()} == {("a", 1): 3.0, ("b", 1): 2.0,
                                                     ("a", 2): 1.5, ("b", 2): 7.0}
     assert "best of 3 processes" in isolation(3) and "best of" not in isolation(1)
+
+
+def test_resnet_block_child_process_runs_the_graph(tmp_path):
+    """``bench resnet`` at more than one thread times each contender in a process of its own:
+    the child builds the block (Winograd where ``auto`` picks it), saves its output for the
+    parent's check and prints its median; its output is the block's (float64 reference)."""
+    out = tmp_path / "y.npy"
+    proc = subprocess.run(
+        [sys.executable, "-m", "blockpad.bench.resnet", "--child", resnet.BLOCKPAD, "--threads",
+         "1", "--repeat", "1", "--hw", "0", "--policy", "dst_fused", "--algorithm", "auto",
+         "--quick", "--output", str(out)], capture_output=True, text=True, check=True)
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["ms"] > 0
+    shape, p, x = resnet._setup(quick=True, hw=0)
+    want = resnet.reference(x, p)
+    assert np.abs(np.load(out) - want).max() <= 1e-4 * np.abs(want).max()
