@@ -275,6 +275,27 @@ def test_compensation_is_computed_in_the_kernel():
     assert "zp_comp" not in plain.func.script()
 
 
+def test_the_reduction_walks_the_weights_in_their_order():
+    """DotTiled reduces a block of 16 channels inside the taps, as ``OIhw4i16o4i`` lies (block,
+    kh, kw, 4 steps of 4), not every channel inside each tap: that order jumped kh x kw rows of
+    weights per block, and a network's layer4 weights, coming from memory, arrived one miss at a
+    time (int8 ResNet-50 layer4 3x3: 0.77-0.89 -> 0.62-0.70 ms in the network)."""
+    from blockpad.codegen.targets import get_target
+    from blockpad.schedules import RULES
+    from blockpad.schedules.dot_tiled import DotTiled
+    from blockpad.schedules.rule import first_match
+
+    entry = {"op": "conv2d", "dtype": "uint8", "shape": [1, 64, 7, 7], "channels": 32,
+             "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c", "weights": "OIhw4i16o4i",
+             "dst": "nChw16c", "dst_dtype": "int8"}
+    rule, sch = first_match(RULES["x86"], _kernels(entry)[0].func, get_target("avx512-vnni"))
+    assert isinstance(rule, DotTiled)
+    step = next(b for b in ("acc_update_o", "acc_update") if b in sch.mod["main"].script())
+    extents = [int(sch.get(loop).extent) for loop in sch.get_loops(sch.get_sblock(step))]
+    # ... 4 blocks of 16 channels, (the unit group dim), kh, kw, 4 steps of 4, then the tile
+    assert [e for e in extents if e != 1][-6:-2] == [4, 3, 3, 4]
+
+
 def test_destination_zero_point_breaks_zero_propagation():
     """dst_fused stores explicit zeros in the padded channels (select) once a zero point or a
     source compensation would leave something else there; without them the output scale and
