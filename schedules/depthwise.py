@@ -8,12 +8,14 @@ reductions over channels, stages the whole source into a zero-haloed copy first 
 pass over memory each way) and streams all ``kh x kw`` weight vectors from cache for every
 tile. Here:
 
-* the threads split (image, channel block, block of output rows): each task stages
-  only the source rows its outputs read (``(rows - 1) * stride + (kh - 1) * dilation + 1``
-  rows of one channel block) into a small zero-haloed buffer, while they are in cache, so the
-  hot loop has no guard and memory is read once (``halo.staged_source``, computed at the
-  task); a source whose layout already has the halo (written clean by its producer) is read
-  as it is, with no copy at all;
+* the threads split (image, channel block, block of output rows); the spatial padding is
+  read as ``select(in_image, src[clamped], 0)`` (``halo.clamped_source``): the read is
+  clamped into the source, so it is always safe, and the zero is a masked load, with no
+  branch and no copy. Staging the task's source rows into a zero-haloed buffer instead
+  (``halo.staged_source``, a tuning variant) cost one more pass over the rows, which took as
+  long as the FMAs (AVX-512, 1 thread: C144 56x56 177 -> 111 us clamped, C96 112x112 stride
+  2 220 -> 107 us, C576 14x14 38 -> 24 us; AVX2: 144 -> 123, 220 -> 130, 30 -> 23). A
+  source whose layout already has the halo (written clean by its producer) is read as it is;
 * in a task, per vector of ``lanes`` channels (the block's halves on AVX2), the output row is
   walked in tiles of ``mr`` pixels, ``mr`` accumulators in registers; the ``kh x kw`` weight
   vectors of that vector of channels do not change along the row, so LLVM keeps them in
@@ -36,7 +38,7 @@ from blockpad.vocabulary import ACC, DST
 
 from .common import SPATIAL, divisor_at_most, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
-from .halo import staged_source
+from .halo import clamped_source, staged_source
 from .rule import ScheduleRule, distinct
 from .tile_edges import unpredicated, whole_tiles
 
@@ -55,18 +57,21 @@ class Depthwise(ScheduleRule):
         return space[0] if space else None
 
     def space(self, func, target, first=False) -> list:
-        """Schedules for tuning: tile widths and rows per task around the default."""
+        """Schedules for tuning: tile widths and rows per task around the default, which
+        reads the source clamped; and the default's tiles over a staged copy of it."""
         if not self.takes(func, target):
             return []
-        return distinct((_schedule(func, target, mr, rows)
-                         for mr, rows in configs(func, target)), first)
+        cfgs = [(*c, False) for c in configs(func, target)]
+        return distinct((_schedule(func, target, *c) for c in [*cfgs, (*cfgs[0][:2], True)]),
+                        first)
 
 
 def configs(func, target) -> list:
     """``(mr, rows)`` variants, the default first: ``mr`` output pixels per register tile
     (accumulators beside the ``kh x kw`` weight vectors), and output rows per task (as many as
-    keep ``TASKS`` tasks, at most 8: each task copies ``(rows - 1) * stride + kh`` source rows
-    for ``rows`` output rows). Measured on AVX2 (3x3, 1 thread, CPU time): tiles of 4 on 56-
+    keep ``TASKS`` tasks, at most 8: a task that stages its source copies
+    ``(rows - 1) * stride + kh`` source rows for ``rows`` output rows). Measured on AVX2,
+    staged (3x3, 1 thread, CPU time): tiles of 4 on 56-
     and 112-wide rows, 7 on 14- and 7-wide ones (6, computing 18 and 12 columns: 0.7x);
     7 rows a task against 1: C144 56x56 0.21 against 0.28 ms, C576 14x14 0.069 against 0.127,
     C960 7x7 0.040 against 0.075."""
@@ -120,9 +125,10 @@ def _uses(expr, var) -> bool:
     return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
 
 
-def _schedule(func, target, mr, rows):
-    """The streaming schedule (see the module doc), or None where a primitive refuses."""
-    func = staged_source(unpredicated(func, ACC))
+def _schedule(func, target, mr, rows, staged):
+    """The streaming schedule (see the module doc), reading the source clamped or, if
+    ``staged``, from a zero-haloed copy of its rows; None where a primitive refuses."""
+    func = (staged_source if staged else clamped_source)(unpredicated(func, ACC))
     func, _ = whole_tiles(func, ACC, mr, 1)
     lanes = vector_lanes(target, "float32")
     sch = s_tir.Schedule(func)

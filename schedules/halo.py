@@ -1,8 +1,10 @@
 """Spatial padding of a convolution window, moved out of the hot loop on any target: the
-window's guarded reads (``if_then_else(in_image, src[...], 0)``, padding fused into the loads)
-become reads of a zero-haloed copy of the source, made by a stage of the kernel. The CPU rules
-(``register_tiled``, and the tensorized ones through it) and CUDA's ``cuda_conv`` (which stages the copy
-in shared memory) both start from it."""
+window's guarded reads (``if_then_else(in_image, src[...], 0)``, padding fused into the loads,
+a branch per read) become either reads of a zero-haloed copy of the source, made by a stage of
+the kernel (``staged_source``: the CPU rules ``register_tiled`` and the tensorized ones
+through it, whose every source element feeds many FMAs, and CUDA's ``cuda_conv``, which stages
+the copy in shared memory), or branch-free selects of clamped reads (``clamped_source``: the
+depthwise rule, where a copy of the source costs as much as the convolution)."""
 
 from __future__ import annotations
 
@@ -23,35 +25,12 @@ def staged_source(func):
     loop; the copy costs one pass over the source. Only guards that are exactly the buffer's
     bounds are staged (a ``masked`` read of channel padding stays a guard), so the numbers do
     not change. ``func`` itself if it has no such reads."""
-    realizes = []
-    tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
-    acc = next((r.block for r in realizes if r.block.name_hint == ACC), None)
-    if acc is None:
+    found = _window_guard(func)
+    if found is None:
         return func
-    calls = []
-    tvm_ffi.structural_map(acc.body, (tvm.ir.expr.Call, lambda c: calls.append(c) or c))
-    guarded = [c for c in calls if c.op.same_as(_IF_THEN_ELSE) and _is_load(c.args[1])
-               and _is_zero(c.args[2])]
-    params = list(func.params)
-    if len(guarded) != 1 or not any(guarded[0].args[1].source.same_as(p) for p in params):
-        return func
-    cond, load = guarded[0].args[0], guarded[0].args[1]
+    guarded, lo, hi, shape = found
+    load = guarded.args[1]
     buf, idx = load.source, list(load.indices)
-    shape = [int(s) for s in buf.ty.shape]
-    ana = Analyzer()
-    for iv in acc.iter_vars:
-        ana.bind(iv.var, iv.dom)
-    lo, hi = [0] * len(shape), [0] * len(shape)
-    for term in _conjuncts(cond):
-        side = _bound_side(ana, term, idx, shape)
-        if side is None:
-            return func
-        d, upper = side
-        b = ana.const_int_bound(idx[d])
-        if upper:
-            hi[d] = max(hi[d], b.max_value - shape[d] + 1)
-        else:
-            lo[d] = max(lo[d], -b.min_value)
     padded = [s + a + b for s, a, b in zip(shape, lo, hi)]
     dtype = str(buf.ty.dtype)
     ph = te.placeholder(shape, dtype, "src")
@@ -71,7 +50,7 @@ def staged_source(func):
     shifted = tirx.BufferLoad(staged, [x + a for x, a in zip(idx, lo)])
 
     def swap_call(c):
-        return shifted if c.same_as(guarded[0]) else c
+        return shifted if c.same_as(guarded) else c
 
     def swap_block(realize):
         blk = realize.block
@@ -92,6 +71,74 @@ def staged_source(func):
                         tirx.SeqStmt([stage, *stmts]), root.init,
                         [*root.alloc_buffers, staged], root.match_buffers, root.annotations)
     return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
+
+
+def clamped_source(func):
+    """``func`` with the guarded read of its convolution window (``if_then_else(in_image,
+    src[...], 0)``) turned into ``select(in_image, src[clamped], 0)``: the read is clamped into
+    the source, so it is always safe, and the zero is a select of whole vectors, with no
+    branch and no copy of the source (``staged_source``'s pass over memory, which took as
+    long as a depthwise convolution's FMAs). Only guards that are exactly the buffer's bounds
+    are rewritten; ``func`` itself if it has no such read."""
+    found = _window_guard(func)
+    if found is None:
+        return func
+    guarded, lo, hi, shape = found
+    cond, load = guarded.args[0], guarded.args[1]
+    idx = [x if not (a or b) else tirx.max(tirx.min(x, n - 1), 0)
+           for x, a, b, n in zip(load.indices, lo, hi, shape)]
+    zero = tirx.const(0, str(load.source.ty.dtype))
+    picked = tirx.Select(cond, tirx.BufferLoad(load.source, idx), zero)
+
+    def swap_call(c):
+        return picked if c.same_as(guarded) else c
+
+    def swap_block(realize):
+        blk = realize.block
+        if blk.name_hint != ACC:
+            return realize
+        body = tvm_ffi.structural_map(blk.body, (tvm.ir.expr.Call, swap_call))
+        blk = s_tir.SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, body, blk.init,
+                           blk.alloc_buffers, blk.match_buffers, blk.annotations)
+        return s_tir.SBlockRealize(realize.iter_values, realize.predicate, blk)
+
+    return func.with_body(tvm_ffi.structural_map(func.body, (s_tir.SBlockRealize, swap_block)))
+
+
+def _window_guard(func):
+    """``(guard, lo, hi, shape)``: the one guarded read of a parameter in ``func``'s ``acc``
+    block (``if_then_else(cond, src[idx], 0)``) whose condition is exactly bounds of the
+    source, with how far its indices reach below 0 (``lo``) and past the end (``hi``) per
+    dim and the source's shape; None if there is no such read."""
+    realizes = []
+    tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
+    acc = next((r.block for r in realizes if r.block.name_hint == ACC), None)
+    if acc is None:
+        return None
+    calls = []
+    tvm_ffi.structural_map(acc.body, (tvm.ir.expr.Call, lambda c: calls.append(c) or c))
+    guarded = [c for c in calls if c.op.same_as(_IF_THEN_ELSE) and _is_load(c.args[1])
+               and _is_zero(c.args[2])]
+    if len(guarded) != 1 or not any(guarded[0].args[1].source.same_as(p) for p in func.params):
+        return None
+    cond, load = guarded[0].args[0], guarded[0].args[1]
+    idx = list(load.indices)
+    shape = [int(s) for s in load.source.ty.shape]
+    ana = Analyzer()
+    for iv in acc.iter_vars:
+        ana.bind(iv.var, iv.dom)
+    lo, hi = [0] * len(shape), [0] * len(shape)
+    for term in _conjuncts(cond):
+        side = _bound_side(ana, term, idx, shape)
+        if side is None:
+            return None
+        d, upper = side
+        b = ana.const_int_bound(idx[d])
+        if upper:
+            hi[d] = max(hi[d], b.max_value - shape[d] + 1)
+        else:
+            lo[d] = max(lo[d], -b.min_value)
+    return guarded[0], lo, hi, shape
 
 
 def _conjuncts(cond):

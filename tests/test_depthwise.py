@@ -79,19 +79,19 @@ def test_depthwise_matches_numpy(libs, policy, case, rng):
 @pytest.mark.parametrize("case", ["s1", "s2", "c30_8c", "dilated_asym", "prepadded"])
 def test_depthwise_rule_takes_blocked_depthwise(case):
     """The build picks the rule for every channel-blocked depthwise case (before
-    register_tiled), and its hot loop reads no guard: spatial padding comes from the task's
-    staged rows, computed inside the parallel loop, or from the source's own halo (no stage)."""
+    register_tiled), and its hot loop has no branch and no copy of the source: spatial padding
+    is a select of a clamped read (a masked load), or the source's own halo (nothing at all);
+    staging the source's rows is a tuning variant only."""
     func = _kernels(CASES[case])[0].func
     rule, sch = first_match(RULES["x86"], func, get_target("host"))
     assert isinstance(rule, Depthwise)
     script = sch.mod["main"].script()
     update = script[script.index('T.sblock("acc_update")'):script.index('T.sblock("dst")')]
     assert "T.if_then_else" not in update and "T.where" not in update
-    parallel = script[script.index("T.parallel"):]
-    if case == "prepadded":
-        assert 'T.sblock("src_pad")' not in script
-    else:
-        assert 'T.sblock("src_pad")' in parallel     # per task, not a pass over the source
+    assert 'T.sblock("src_pad")' not in script
+    assert ("T.Select" in update) == (case != "prepadded")
+    staged = [s.mod["main"].script() for s in Depthwise().space(func, get_target("host"))]
+    assert case == "prepadded" or any('T.sblock("src_pad")' in s for s in staged)
 
 
 @pytest.mark.parametrize("entry", [
@@ -107,17 +107,21 @@ def test_depthwise_rule_leaves_other_convolutions(entry):
 
 
 # a channel multiplier (2 groups of 7 outputs) between a channels-last blocked source and a
-# 4-channel-blocked destination: the staged rows span a varying number of channels per task,
+# 4-channel-blocked destination: staged rows would span a varying number of channels per task,
 # a loop LLVM cannot vectorize (blockpad check seed 20261130 case 37 failed to build)
 MULTIPLIER = {"op": "conv2d", "shape": [1, 2, 9, 5], "channels": 14, "groups": 2,
               "kernel": [5, 3], "stride": [1, 3], "pad": [5, 0], "dilation": [2, 2],
               "src": "nhwC16c", "weights": "Goihw8g", "dst": "nChw4c", "post_ops": []}
 
 
-def test_a_nest_the_depthwise_rule_cannot_vectorize_goes_to_the_next_rule(tmp_path, rng):
-    """The rule declines (no vectorized loop of varying extent), the next rule builds it, and
-    the result equals numpy's."""
-    assert Depthwise().apply(_kernels(MULTIPLIER)[0].func, get_target("host")) is None
+def test_a_channel_multiplier_reads_clamped_and_never_stages(tmp_path, rng):
+    """The rule takes it reading the source clamped; the staged variant, whose copy loop LLVM
+    could not vectorize, is not offered (no vectorized loop of varying extent); the result
+    equals numpy's."""
+    func = _kernels(MULTIPLIER)[0].func
+    assert isinstance(first_match(RULES["x86"], func, get_target("host"))[0], Depthwise)
+    assert all('T.sblock("src_pad")' not in s.mod["main"].script()
+               for s in Depthwise().space(func, get_target("host")))
     bp.build(parse_spec({"kernel": [{**MULTIPLIER, "name": "k"}]}), "host", tmp_path,
              log=lambda m: None)
     kernel = bp.load(tmp_path)["k"]
@@ -133,13 +137,15 @@ def test_a_nest_the_depthwise_rule_cannot_vectorize_goes_to_the_next_rule(tmp_pa
 
 @pytest.mark.parametrize("case", ["s2", "batch_5x5"])
 def test_depthwise_space_variants_all_compute_the_same(case, rng):
-    """Every variant of the tuning space (tile widths, rows per task) is a complete schedule
-    giving the default's numbers; the default comes first and is ``apply``'s."""
+    """Every variant of the tuning space (tile widths, rows per task, the staged source) is a
+    complete schedule giving the default's numbers; the default comes first and is
+    ``apply``'s."""
     func = _kernels(CASES[case])[0].func
     target = get_target("host")
     rule = Depthwise()
     space = rule.space(func, target)
-    assert len(space) >= 3 and len(configs(func, target)) >= len(space)
+    assert len(space) >= 3 and len(configs(func, target)) + 1 >= len(space)
+    assert 'T.sblock("src_pad")' in space[-1].mod["main"].script()
     assert tvm_ffi.structural_equal(space[0].mod, rule.apply(func, target).mod)
     args = [tvm.runtime.tensor(rng.standard_normal([int(s) for s in p.ty.shape])
                                .astype(str(p.ty.dtype))) for p in func.params[:-1]]
