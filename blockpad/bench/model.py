@@ -25,7 +25,7 @@ import numpy as np
 from blockpad.codegen.targets import native_target
 from blockpad.runtime.graph.execution import BIND_LABEL
 
-from .common import best_of_processes, interleaved_rounds, isolation, run_child, step_times, table
+from .common import best_of_processes, hot_step_times, interleaved_rounds, isolation, run_child, step_times, table
 
 CONTENDERS = ("blockpad", "torch NCHW", "torch channels_last", "onnxruntime")
 OUT = os.path.join("build", "bench_model")
@@ -94,12 +94,14 @@ def child(args) -> dict:
     if args.child == "blockpad":
         report = net.run(x).report
         steps = step_times(net.graph, {next(iter(net.inputs)): x})
+        hot = hot_step_times(net.graph, {next(iter(net.inputs)): x})
         ops = {n.name: _kind(net.graph, n) for n in net.graph.nodes}
         for fused in report.fused:   # an inverted residual runs as its projection's step
             names = fused.split(" + ")
             if len(names) == 3:
                 ops[names[-1]] = "inverted residual"
-        out.update(steps={k: 1e3 * v for k, v in steps.items()}, ops=ops,
+        out.update(steps={k: 1e3 * v for k, v in steps.items()},
+                   hot={k: 1e3 * v for k, v in hot.items()}, ops=ops,
                    arena_mib=report.arena_bytes / 2 ** 20,
                    weights_mib=report.weight_bytes / 2 ** 20,
                    fallbacks=report.fallbacks)
@@ -245,10 +247,14 @@ def _breakdown(runs: dict):
         rows.append([k, n, f"{v:.2f}", *[f"{o:.2f}" for o in other], f"{100 * v / total:.0f}%",
                      *[f"{v / o:.2f}x" for o in other]])
     print(table(rows, head))
-    print("\nthe 15 slowest steps:")
+    hot = b.get("hot", {})
+    print(f"\nthe 15 slowest steps ('hot': the step called again right after itself, its data "
+          f"in cache; in steps {sum(hot.values()):.2f} ms hot against {total:.2f} ms in the "
+          f"network's order):")
     top = sorted(steps.items(), key=lambda kv: -kv[1])[:15]
-    print(table([[k[:60], ops.get(k, ""), f"{v:.3f}", f"{100 * v / total:.1f}%"]
-                 for k, v in top], ["step", "op", "ms", "share"]))
+    print(table([[k[:60], ops.get(k, ""), f"{v:.3f}", f"{hot.get(k, float('nan')):.3f}",
+                  f"{100 * v / total:.1f}%"] for k, v in top],
+                ["step", "op", "ms", "ms hot", "share"]))
     if b.get("fallbacks"):
         print(f"fallbacks: {b['fallbacks']}")
 
