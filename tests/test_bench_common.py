@@ -43,3 +43,17 @@ def test_resnet_block_child_process_runs_the_graph(tmp_path):
     shape, p, x = resnet._setup(quick=True, hw=0)
     want = resnet.reference(x, p)
     assert np.abs(np.load(out) - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_hot_step_times_time_every_step_of_the_plan():
+    """The breakdown's two columns cover the same steps: in the network's order and hot."""
+    import blockpad as bp
+    from blockpad.bench.common import hot_step_times, step_times
+
+    g = bp.Graph()
+    x = g.input("x", (1, 20, 5, 5))
+    g.output(g.relu(g.relu(x, name="r1"), name="r2"))
+    inputs = {"x": np.random.default_rng(0).standard_normal((1, 20, 5, 5)).astype("float32")}
+    hot, order = hot_step_times(g, inputs), step_times(g, inputs)
+    assert set(hot) == set(order) and {"r1", "r2"} <= set(hot)
+    assert all(v > 0 for v in hot.values())
