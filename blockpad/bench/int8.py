@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from .common import best_of_processes, interleaved_rounds, isolation, run_child, step_times, table
+from .common import best_of_processes, hot_step_times, interleaved_rounds, isolation, run_child, step_times, table
 
 MODELS = ("resnet50", "mobilenet_v2")
 INT8 = ("blockpad int8", "onnxruntime int8")
@@ -58,8 +58,9 @@ def child(args) -> dict:
     out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times)}
     if model is not None:   # where blockpad's time goes: each step of the plan, in plan order
         out["fallbacks"] = model.run(x).report.fallbacks
-        steps = step_times(model.graph, {next(iter(model.inputs)): x})
-        out["steps"] = {k: 1e3 * v for k, v in steps.items()}
+        inputs = {next(iter(model.inputs)): x}
+        out["steps"] = {k: 1e3 * v for k, v in step_times(model.graph, inputs).items()}
+        out["hot"] = {k: 1e3 * v for k, v in hot_step_times(model.graph, inputs).items()}
     return out
 
 
@@ -146,12 +147,14 @@ def _report_steps(counts, results, top=12):
         if not steps:
             continue
         total = sum(steps.values())
+        hot = results[("blockpad int8", t)].get("hot", {})
         print(f"\nblockpad int8 at {t} thread(s): {len(steps)} steps, {total:.2f} ms in steps "
-              f"against {results[('blockpad int8', t)]['ms']:.2f} ms per inference; the "
+              f"({sum(hot.values()):.2f} ms hot: each called again right after itself) against "
+              f"{results[('blockpad int8', t)]['ms']:.2f} ms per inference; the "
               f"{min(top, len(steps))} slowest:")
-        rows = [[k, f"{v:.3f}", f"{v / total:.1%}"]
+        rows = [[k, f"{v:.3f}", f"{hot.get(k, float('nan')):.3f}", f"{v / total:.1%}"]
                 for k, v in sorted(steps.items(), key=lambda kv: -kv[1])[:top]]
-        print(table(rows, ["step", "ms", "share"]))
+        print(table(rows, ["step", "ms", "ms hot", "share"]))
 
 
 def _cli():
