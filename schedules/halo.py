@@ -48,23 +48,10 @@ def staged_source(func):
         stage_func.body.block.body,
         (tirx.Var, lambda v: next((n for o, n in rename.items() if o.same_as(v)), v)))
     shifted = tirx.BufferLoad(staged, [x + a for x, a in zip(idx, lo)])
-
-    def swap_call(c):
-        return shifted if c.same_as(guarded) else c
-
-    def swap_block(realize):
-        blk = realize.block
-        if blk.name_hint != ACC:
-            return realize
-        body = tvm_ffi.structural_map(blk.body, (tvm.ir.expr.Call, swap_call))
-        reads = [tirx.BufferRegion(staged, [tvm.ir.Range.from_min_extent(r.min + a, r.extent)
-                                            for r, a in zip(reg.region, lo)])
-                 if reg.source.same_as(buf) else reg for reg in blk.reads]
-        blk = s_tir.SBlock(blk.iter_vars, reads, blk.writes, blk.name_hint, body, blk.init,
-                           blk.alloc_buffers, blk.match_buffers, blk.annotations)
-        return s_tir.SBlockRealize(realize.iter_values, realize.predicate, blk)
-
-    body = tvm_ffi.structural_map(func.body.block.body, (s_tir.SBlockRealize, swap_block))
+    body = _replace_guard(func.body.block.body, guarded, shifted, lambda reads: [
+        tirx.BufferRegion(staged, [tvm.ir.Range.from_min_extent(r.min + a, r.extent)
+                                   for r, a in zip(reg.region, lo)])
+        if reg.source.same_as(buf) else reg for reg in reads])
     root = func.body.block
     stmts = list(body) if isinstance(body, tirx.SeqStmt) else [body]
     root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
@@ -89,20 +76,26 @@ def clamped_source(func):
            for x, a, b, n in zip(load.indices, lo, hi, shape)]
     zero = tirx.const(0, str(load.source.ty.dtype))
     picked = tirx.Select(cond, tirx.BufferLoad(load.source, idx), zero)
+    return func.with_body(_replace_guard(func.body, guarded, picked))
 
+
+def _replace_guard(stmt, guarded, new, reads=None):
+    """``stmt`` with the ``acc`` block's call ``guarded`` replaced by ``new``, and the block's
+    read regions mapped by ``reads`` (a function of the list), if given."""
     def swap_call(c):
-        return picked if c.same_as(guarded) else c
+        return new if c.same_as(guarded) else c
 
     def swap_block(realize):
         blk = realize.block
         if blk.name_hint != ACC:
             return realize
         body = tvm_ffi.structural_map(blk.body, (tvm.ir.expr.Call, swap_call))
-        blk = s_tir.SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, body, blk.init,
-                           blk.alloc_buffers, blk.match_buffers, blk.annotations)
+        blk = s_tir.SBlock(blk.iter_vars, reads(blk.reads) if reads else blk.reads, blk.writes,
+                           blk.name_hint, body, blk.init, blk.alloc_buffers, blk.match_buffers,
+                           blk.annotations)
         return s_tir.SBlockRealize(realize.iter_values, realize.predicate, blk)
 
-    return func.with_body(tvm_ffi.structural_map(func.body, (s_tir.SBlockRealize, swap_block)))
+    return tvm_ffi.structural_map(stmt, (s_tir.SBlockRealize, swap_block))
 
 
 def _window_guard(func):
