@@ -70,11 +70,10 @@ def configs(func, target) -> list:
     """``(mr, rows)`` variants, the default first: ``mr`` output pixels per register tile
     (accumulators beside the ``kh x kw`` weight vectors), and output rows per task (as many as
     keep ``TASKS`` tasks, at most 8: a task that stages its source copies
-    ``(rows - 1) * stride + kh`` source rows for ``rows`` output rows). Measured on AVX2,
-    staged (3x3, 1 thread, CPU time): tiles of 4 on 56-
-    and 112-wide rows, 7 on 14- and 7-wide ones (6, computing 18 and 12 columns: 0.7x);
-    7 rows a task against 1: C144 56x56 0.21 against 0.28 ms, C576 14x14 0.069 against 0.127,
-    C960 7x7 0.040 against 0.075."""
+    ``(rows - 1) * stride + kh`` source rows for ``rows`` output rows). Measured on AVX2 with
+    staged rows (3x3, 1 thread, CPU time): 7 rows a task against 1: C144 56x56 0.21 against
+    0.28 ms, C576 14x14 0.069 against 0.127, C960 7x7 0.040 against 0.075. The tile width:
+    ``_tile_width``."""
     n_tasks, oh, ow, taps = _nest(func)
     widest = max(4, min(8, target.tile_registers - taps))
     mr = _tile_width(ow, widest)
@@ -87,8 +86,12 @@ def configs(func, target) -> list:
 
 def _tile_width(ow: int, widest: int) -> int:
     """Pixels per register tile, 4 to ``widest``: the fewest columns computed past the end of
-    the row, then the narrowest (more registers left for the weights)."""
-    return min(range(4, widest + 1), key=lambda m: (-(-ow // m) * m, m)) if ow > 4 else ow
+    the row, then the widest (each source vector loaded feeds more FMAs). Reading the source
+    clamped, 1 thread: AVX2 tiles of 7 against 4 on C144 56x56 112 against 127 us, C32 112x112
+    115 against 130; AVX-512 tiles of 8 against 4 on C144 56x56 86 against 89, C96 112x112
+    stride 2 94 against 100. Computing past the row costs more (C576 14x14 in tiles of 8:
+    16 columns, 24.2 against 23.6 us in 7s)."""
+    return min(range(4, widest + 1), key=lambda m: (-(-ow // m) * m, -m)) if ow > 4 else ow
 
 
 def _nest(func):

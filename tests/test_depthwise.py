@@ -162,4 +162,5 @@ def test_depthwise_space_variants_all_compute_the_same(case, rng):
 def test_tile_widths_cover_rows_with_least_waste():
     from blockpad.schedules.depthwise import _tile_width
 
-    assert [_tile_width(w, 7) for w in (112, 56, 28, 14, 7, 3)] == [4, 4, 4, 7, 7, 3]
+    assert [_tile_width(w, 7) for w in (112, 56, 28, 14, 7, 3)] == [7, 7, 7, 7, 7, 3]
+    assert [_tile_width(w, 8) for w in (112, 56, 28, 14, 7)] == [8, 8, 7, 7, 7]
