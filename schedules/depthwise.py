@@ -41,6 +41,7 @@ from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import clamped_source, staged_source
 from .rule import ScheduleRule, distinct
 from .tile_edges import unpredicated, whole_tiles
+from .vector_math import vector_math
 
 STAGE = "src_pad"          # the stage halo.staged_source adds
 TASKS = 16                 # at least this many tasks where the rows allow (2..16 threads)
@@ -61,6 +62,7 @@ class Depthwise(ScheduleRule):
         reads the source clamped; and the default's tiles over a staged copy of it."""
         if not self.takes(func, target):
             return []
+        func = vector_math(func)   # a swish or gelu post-op: polynomials, not libm per lane
         cfgs = [(*c, False) for c in configs(func, target)]
         return distinct((_schedule(func, target, *c) for c in [*cfgs, (*cfgs[0][:2], True)]),
                         first)

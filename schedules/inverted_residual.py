@@ -38,6 +38,7 @@ from .common import divisor_at_most, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .register_tiled import accumulators
 from .rule import ScheduleRule, distinct
+from .vector_math import vector_math
 
 BAND_BYTES = 1 << 20   # the expanded band buffer's target size
 MIN_BANDS = 2          # tasks for two cores, even where one band would hold the image
@@ -63,8 +64,8 @@ class InvertedResidual(ScheduleRule):
 
 
 def _attempt(func, target, band_bytes, min_bands):
-    try:
-        return _schedule(func, target, band_bytes, min_bands)
+    try:   # transcendental activations: polynomials, not libm per lane (vector_math)
+        return _schedule(vector_math(func), target, band_bytes, min_bands)
     except s_tir.ScheduleError:
         return None
 

@@ -20,9 +20,9 @@ from .rule import ScheduleRule
 
 
 class VectorMath(ScheduleRule):
-    """Kernels no other rule took (softmax, pooling, fp32 convolution and matmul with an eltwise
-    post-op) that call exp/erf/tanh/sigmoid: the generic schedule over ``vector_math``'s
-    rewrite. Kernels without such calls are left to ``generic.Fallback`` as they are."""
+    """Kernels no other rule took (softmax, pooling) that call exp/erf/tanh/sigmoid: the
+    generic schedule over ``vector_math``'s rewrite. Kernels without such calls are left to
+    ``generic.Fallback`` as they are. The convolution and matmul rules rewrite their own."""
 
     def schedule(self, func, target):
         new = vector_math(func)

@@ -33,6 +33,7 @@ from .dot_tiled import _realize
 from .generic import root_blocks, spatial_parallel_vectorize
 from .nest import substitute
 from .rule import ScheduleRule, distinct
+from .vector_math import vector_math
 
 ATTR = "blockpad.winograd"
 STAGES = ("wino_dt", "wino_v", "wino_acc", "wino_m", "wino_t", "dst")
@@ -48,6 +49,7 @@ class Winograd(ScheduleRule):
     def space(self, func, target, first=False) -> list:
         """Complete schedules, the default first: the GEMM's register tiles (register_tiled's
         ranked Configs), each once."""
+        func = vector_math(func)   # transcendental post-ops: polynomials, not libm per lane
         facts = _facts(func)
         if facts is None:
             return []

@@ -26,7 +26,7 @@ CASES = [
       for alg, a, b in [("relu", 0.0, 0.0), ("relu", 0.1, 0.0), ("gelu_erf", 0.0, 0.0),
                         ("gelu_tanh", 0.0, 0.0), ("sigmoid", 0.0, 0.0), ("exp", 0.0, 0.0),
                         ("tanh", 0.0, 0.0), ("clip", -0.5, 0.5), ("linear", 2.0, 0.0),
-                        ("linear", 2.0, 1.0)]),
+                        ("linear", 2.0, 1.0), ("swish", 1.0, 0.0), ("swish", 0.5, 0.0)]),
     {"op": "eltwise", "algorithm": "sigmoid", "src": "nchw", "dst": "nChw8c"},
     {"op": "eltwise", "algorithm": "relu", "src": "nhwc", "dst": "nChw16c"},
     {"op": "eltwise", "algorithm": "tanh", "src": {"tag": "nChw8c", "paddings": {"h": [1, 1]}},

@@ -32,12 +32,13 @@ ALGORITHMS = {   # name: (spec fields, numpy reference in float64)
     "tanh": ({}, np.tanh),
     "clip": ({"alpha": -1.0, "beta": 2.0}, lambda t: np.clip(t, -1.0, 2.0)),
     "linear": ({"alpha": 2.0, "beta": 1.0}, lambda t: 2 * t + 1),
+    "swish": ({"alpha": 1.0}, lambda t: t / (1 + np.exp(-t))),
 }
 TORCH_ELTWISE = {   # name: PyTorch's expression of it (for test_references_match_torch)
     "relu": "torch.relu(t)", "leaky_relu": "F.leaky_relu(t, 0.1)", "gelu_erf": "F.gelu(t)",
     "gelu_tanh": "F.gelu(t, approximate='tanh')", "sigmoid": "torch.sigmoid(t)",
     "exp": "torch.exp(t)", "tanh": "torch.tanh(t)", "clip": "torch.clamp(t, -1.0, 2.0)",
-    "linear": "2 * t + 1"}
+    "linear": "2 * t + 1", "swish": "F.silu(t)"}
 BLK = {"src": "nChw16c", "dst": "nChw16c"}
 KERNELS = [
     *({"op": "eltwise", "name": f"eltwise_{n}", "shape": SHAPE, **BLK,
@@ -45,7 +46,7 @@ KERNELS = [
     *({"op": "conv2d", "name": f"conv_{n}", "shape": SHAPE, "channels": 16, "kernel": [1, 1],
        "src": "nChw16c", "weights": "OIhw16i16o", "dst": "nChw16c",
        "post_ops": [{"kind": "eltwise", "algorithm": n, **f}]}
-      for n, (f, _) in ALGORITHMS.items() if n in ("relu", "clip", "tanh")),
+      for n, (f, _) in ALGORITHMS.items() if n in ("relu", "clip", "tanh", "swish")),
     *({"op": "softmax", "name": f"softmax_{axis}_{log}", "shape": SHAPE, **BLK, "axis": axis,
        "log": log} for axis in (1, 3) for log in (False, True)),
     *({"op": "pool", "name": f"pool_{alg}", "shape": SHAPE, **BLK, "algorithm": alg,

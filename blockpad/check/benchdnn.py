@@ -70,7 +70,8 @@ DEFAULTS = {"dir": "FWD_B", "dt": "f32", "mb": "0", "alg": "direct", "stag": "an
 #: benchdnn's eltwise algorithms that conv2d's eltwise post-op computes, by blockpad's name
 ELTWISE = {"relu": "relu", "linear": "linear", "clip": "clip", "clip_v2": "clip",
            "tanh": "tanh", "logistic": "sigmoid", "exp": "exp", "gelu_erf": "gelu_erf",
-           "gelu_tanh": "gelu_tanh", "bounded_relu": "clip", "abs": "abs", "round": "round"}
+           "gelu_tanh": "gelu_tanh", "bounded_relu": "clip", "abs": "abs", "round": "round",
+           "swish": "swish"}
 DATA_TAGS = {"any": None, "axb": "nhwc", "abx": "nchw", "abcd": "nchw", "acdb": "nhwc",
              "aBcd8b": "nChw8c", "aBcd16b": "nChw16c", "aBcd4b": "nChw4c"}
 

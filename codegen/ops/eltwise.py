@@ -43,6 +43,7 @@ ALGORITHMS = {
     "linear": lambda x, a, b: x * _c(x, a) + _c(x, b),                  # alpha * x + beta
     "abs": lambda x, a, b: tirx.abs(x),
     "round": lambda x, a, b: tirx.nearbyint(x),          # half to even, as oneDNN's round
+    "swish": lambda x, a, b: x * tirx.sigmoid(x * _c(x, a)),    # x sigmoid(alpha x): SiLU at 1
 }
 
 PARAMS = ELTWISE_DEFAULTS

@@ -106,6 +106,7 @@ ELTWISE = {
     "linear": lambda x, a, b: a * x + b,
     "abs": lambda x, a, b: np.abs(x),
     "round": lambda x, a, b: np.rint(x),
+    "swish": lambda x, a, b: x / (1 + np.exp(-a * x)),
 }
 
 
