@@ -210,7 +210,7 @@ def test_parse_time_checks_are_listed_together():
     problem naming its entry and kernel, all of them in one error."""
     shape = [1, 6, 4, 4]
     doc = {"kernel": [
-        {"op": "eltwise", "shape": shape, "src": "nchw", "dst": "nchw", "algorithm": "swish"},
+        {"op": "eltwise", "shape": shape, "src": "nchw", "dst": "nchw", "algorithm": "mish"},
         {"op": "softmax", "shape": shape, "src": "nchw", "dst": "nchw", "axis": 4},
         {"op": "reorder", "shape": shape, "src": "nchw", "dst": "nChw8c"},   # fine
         {"op": "conv2d", "name": "conv_sum", "shape": shape, "channels": 6, "src": "nchw",
@@ -223,7 +223,7 @@ def test_parse_time_checks_are_listed_together():
     lines = str(e.value).splitlines()
     assert lines[0] == "spec: 4 problems:"
     assert re.search(r"kernel #1 \(eltwise_nchw_nchw_f32_1x6x4x4_\w+\): eltwise algorithm: "
-                     r"expected one of relu.*got 'swish'", lines[1])
+                     r"expected one of relu.*got 'mish'", lines[1])
     assert re.search(r"kernel #2 \(softmax_\w+\): softmax: axis must be an integer in \[-4, 4\)"
                      r".*got 4", lines[2])
     assert "kernel #4 (conv_sum): sum (a sum post-op): its layout must have dst's padded dims" in lines[3]
