@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -90,15 +91,23 @@ def quiet_thread_pools(threads: int | None = None) -> None:
         os.environ.setdefault(k, v)
 
 
-def step_times(g, inputs: dict, rounds: int = 5) -> dict:
-    """Seconds per run of each step of ``g``'s plan for ``inputs`` (kernels, reorders, the
-    policy's zero-pads at binding), averaged over ``rounds`` runs of the plan's calls."""
+@contextmanager
+def _plan_calls(g, inputs: dict):
+    """``(label, call)`` of each step of ``g``'s plan for ``inputs``, bound by one run (every
+    memory bound, every destination written once)."""
     runner = g.runner(**inputs)
     g.run(inputs)
     with runner.arena() as exe:
+        yield list(zip(exe.labels, exe.calls))
+
+
+def step_times(g, inputs: dict, rounds: int = 5) -> dict:
+    """Seconds per run of each step of ``g``'s plan for ``inputs`` (kernels, reorders, the
+    policy's zero-pads at binding), averaged over ``rounds`` runs of the plan's calls."""
+    with _plan_calls(g, inputs) as steps:
         out = {}
         for _ in range(rounds):
-            for label, call in zip(exe.labels, exe.calls):
+            for label, call in steps:
                 t0 = time.perf_counter()
                 call()
                 out[label] = out.get(label, 0.0) + (time.perf_counter() - t0) / rounds
@@ -113,13 +122,9 @@ def hot_step_times(g, inputs: dict, repeat: int = 3) -> dict:
     1 thread) takes 0.19 ms in the network and 0.085 ms hot, 0.086 ms right after the stem that
     writes its source: its 1.6 MB destination's lines come from memory, evicted by the 17 MB
     of weights and activations the rest of an inference streams through the caches."""
-    runner = g.runner(**inputs)
-    g.run(inputs)
-    with runner.arena() as exe:
-        for call in exe.calls:   # every memory bound and every destination written once
-            call()
+    with _plan_calls(g, inputs) as steps:
         out = {}
-        for label, call in zip(exe.labels, exe.calls):
+        for label, call in steps:
             call()
             best = float("inf")
             for _ in range(repeat):

@@ -93,8 +93,8 @@ def child(args) -> dict:
            "peak_mib": _status_mib("VmHWM")}
     if args.child == "blockpad":
         report = net.run(x).report
-        steps = step_times(net.graph, {next(iter(net.inputs)): x})
-        hot = hot_step_times(net.graph, {next(iter(net.inputs)): x})
+        inputs = {next(iter(net.inputs)): x}
+        steps, hot = step_times(net.graph, inputs), hot_step_times(net.graph, inputs)
         ops = {n.name: _kind(net.graph, n) for n in net.graph.nodes}
         for fused in report.fused:   # an inverted residual runs as its projection's step
             names = fused.split(" + ")

@@ -153,8 +153,8 @@ def _torch_contenders(p, x, threads) -> dict:
 
 
 def _setup(quick, hw):
-    c = 30 if quick else 62
-    shape = (1, c, hw or (14 if quick else 56), hw or (14 if quick else 56))
+    c, hw = (30, hw or 14) if quick else (62, hw or 56)
+    shape = (1, c, hw, hw)
     p = params(c, c)
     return shape, p, np.random.default_rng(1).standard_normal(shape).astype("float32")
 
@@ -237,8 +237,7 @@ def _own_processes(quick, hw, policy, algorithm, threads, repeat, got, processes
     out = {}
     with tempfile.TemporaryDirectory() as work:
         spawn = functools.partial(run_child, "blockpad.bench.resnet", work=work, args=args)
-        for (name, _), r in best_of_processes(lambda n, t: spawn(n, t), names, [threads],
-                                              processes).items():
+        for (name, _), r in best_of_processes(spawn, names, [threads], processes).items():
             if "error" in r:
                 raise RuntimeError(f"bench resnet: {name} failed: {r['error']}")
             if not np.allclose(np.load(r["y"]), got, atol=1e-4):
