@@ -113,7 +113,7 @@ import blockpad as bp
 from blockpad.bench.resnet import build_graph, params
 shape = tuple(json.loads(sys.argv[1]))
 x = np.random.default_rng(1).standard_normal(shape).astype("float32")
-g = build_graph(shape, params(shape[1]), sys.argv[3], policy=sys.argv[2])
+g = build_graph(shape, params(shape[1], shape[1]), sys.argv[3], policy=sys.argv[2])
 t1 = time.perf_counter()
 res = g.run(x=x)
 res["probs"].numpy()
