@@ -36,13 +36,21 @@ ELTWISE_DEFAULTS = MappingProxyType({"algorithm": "relu", "alpha": 0.0, "beta": 
 #: left out. Two spellings of one chain must build (and cache) as one kernel.
 #: ``sum``: v += scale * (sum[idx] - zero_point), its tensor in ``dt`` (None: the
 #: destination's); ``binary``: v = algorithm(v, operand), the operand a (1,) tensor, a (K,)
-#: per-channel one or a destination-shaped one (oneDNN's binary post-op and its broadcast masks).
+#: per-channel one or a destination-shaped one (oneDNN's binary post-op and its broadcast masks);
+#: ``quantized_add`` (integer kernels with an 8-bit destination, last in a chain): the value,
+#: rounded and saturated to the destination's type, plus an 8-bit ``addend`` tensor, summed as
+#: ONNX Runtime's QLinearAdd sums them; ``scales`` and ``zero_points`` are [value, addend,
+#: result]'s, ``addend_first``: the addend is QLinearAdd's first operand (its fmas round in
+#: operand order), ``dt``: the addend's type (None: the destination's).
 POST_OP_DEFAULTS = MappingProxyType({
     "bias": MappingProxyType({}),
     "eltwise": ELTWISE_DEFAULTS,
     "sum": MappingProxyType({"scale": 1.0, "zero_point": 0, "dt": None}),
     "binary": MappingProxyType({"algorithm": "add", "operand": "full"}),
+    "quantized_add": MappingProxyType({"scales": (1.0, 1.0, 1.0), "zero_points": (0, 0, 0),
+                                       "addend_first": False, "dt": None}),
 })
+QUANTIZED_ADD = "quantized_add"
 #: A binary post-op's algorithms (prelu: v >= 0 ? v : v * operand) and its operand's shapes.
 BINARY_POST_OPS = ("add", "mul", "max", "min", "prelu")
 BINARY_OPERANDS = ("tensor", "channel", "full")
@@ -109,18 +117,18 @@ def with_defaults(post_op) -> dict:
 def post_op_tensors(chain) -> list:
     """The tensor argument each entry of a post-op chain reads, in chain order (None for an
     eltwise): ``bias``; ``sum``, ``sum_1``, ``sum_2``, ... (the first sum keeps the name a
-    chain's only sum always had); ``binary_0``, ``binary_1``, .... Kernels, manifests and the
-    Graph name the tensors so."""
+    chain's only sum always had); ``binary_0``, ``binary_1``, ...; ``addend`` (a quantized
+    add's). Kernels, manifests and the Graph name the tensors so."""
     seen: dict = {}
     out = []
     for p in chain:
         kind = p.get("kind")
         i = seen[kind] = seen.get(kind, -1) + 1
         out.append({"bias": "bias", "sum": "sum" if i == 0 else f"sum_{i}",
-                    "binary": f"binary_{i}"}.get(kind))
+                    "binary": f"binary_{i}", QUANTIZED_ADD: "addend"}.get(kind))
     return out
 
 
 #: Every name ``post_op_tensors`` can give, in the order kernels take them as arguments.
 POST_OP_TENSORS = ("bias", "sum", *(f"sum_{i}" for i in range(1, MAX_SUMS)),
-                   *(f"binary_{i}" for i in range(MAX_BINARIES)))
+                   *(f"binary_{i}" for i in range(MAX_BINARIES)), "addend")

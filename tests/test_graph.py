@@ -379,29 +379,49 @@ def test_post_op_fusion_changes_nothing_but_the_kernel_count(cache, rng):
 
 
 
-def test_a_quantized_convolution_takes_no_post_op_and_packs_dot_product_weights(cache, rng):
-    """A post-op runs on a convolution's value before it is requantized: a relu of the uint8
-    result ``q`` (standing for ``s (q - z)``) or a quantized add (its own scales) is not the
-    post-op of that name, so a graph never fuses them into an integer convolution; the fused
-    and unfused graphs agree to the bit."""
+@pytest.mark.parametrize("conv_first", [True, False])
+def test_a_quantized_convolution_takes_a_quantized_add_and_packs_dot_product_weights(
+        cache, rng, conv_first):
+    """A post-op runs on a convolution's value before it is requantized, so a relu of the
+    uint8 result ``q`` (standing for ``s (q - z)``) is not the relu post-op, and the graph
+    leaves it alone; a quantized add of an 8-bit tensor fuses as the ``quantized_add``
+    post-op, which rounds the convolution's value first (either operand order: the fmas
+    round in QLinearAdd's order). Fused, unfused and a numpy reference (``qlinear``) agree to
+    the bit, on 20 channels (12 padded ones per 32) and a padded 3x3 window."""
+    from blockpad import qlinear
+
+    scales, zps = [0.011, 0.023, 0.031], [128, 3, 100]
+
     def graph(fuse):
         g = bp.Graph(cache=cache, fuse=fuse)
-        x = g.input("x", (1, 16, 5, 5), "uint8")
+        x = g.input("x", (1, 20, 5, 5), "uint8")
         w = g.constant("w", rng_w)
-        y = g.conv2d(x, w, scale=g.constant("s", np.full(16, 0.01, "float32")),
-                     src_zero_point=3, dst_zero_point=128, dst_dtype="uint8")
-        g.output(g.relu(g.quantized_add(y, x, [0.01, 0.02, 0.03], [128, 3, 100])))
+        y = g.conv2d(x, w, pad=1, scale=g.constant("s", sv), src_zero_point=3,
+                     dst_zero_point=128, dst_dtype="uint8")
+        a, b = (y, x) if conv_first else (x, y)
+        g.output(g.relu(g.quantized_add(a, b, scales if conv_first else scales[1::-1] + scales[2:],
+                                        zps if conv_first else zps[1::-1] + zps[2:])))
         return g
 
-    rng_w = rng.integers(-64, 64, (16, 16, 1, 1)).astype("int8")
-    xv = rng.integers(0, 256, (1, 16, 5, 5)).astype("uint8")
+    rng_w = rng.integers(-64, 64, (20, 20, 3, 3)).astype("int8")
+    sv = rng.uniform(0.002, 0.02, 20).astype("float32")
+    xv = rng.integers(0, 256, (1, 20, 5, 5)).astype("uint8")
     g = graph(True)
     fused, unfused = g.run(x=xv), graph(False).run(x=xv)
-    assert fused.report.fused == []
+    assert fused.report.fused == ["conv2d_0 + binary_0"] and unfused.report.fused == []
     # int8 weights are packed for the dot-product instructions (16 outputs x 4 input channels
     # a register), not OIhw16i16o, which no dot-product rule takes
     assert "OIhw4i16o4i" in g.plan(x=xv).describe()
-    assert np.array_equal(fused["eltwise_0"].numpy(), unfused["eltwise_0"].numpy())
+    acc = qlinear.conv_acc(xv, 3, rng_w, None, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+    q = qlinear.saturate(np.rint(acc.astype("float32") * sv[:, None, None]).astype(np.int64)
+                         + 128, "uint8")
+    params = qlinear.add_params(scales[0], zps[0], scales[1], zps[1], scales[2], zps[2])
+    want = qlinear.add(q, xv, params, "uint8") if conv_first else \
+        qlinear.add(xv, q, qlinear.add_params(scales[1], zps[1], scales[0], zps[0],
+                                              scales[2], zps[2]), "uint8")
+    want = np.maximum(want, 0)
+    for res in (fused, unfused):
+        assert np.array_equal(res["eltwise_0"].numpy(), want)
 
 
 def test_seven_bit_constant_weights_take_the_seven_bit_kernel_and_stay_exact(cache, rng):

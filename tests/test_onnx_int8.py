@@ -159,6 +159,10 @@ def test_quantized_networks_equal_onnxruntime(models, name, fmt):
     # int8 stays int8 between layers: the only float ops are the edges
     floats = [n.op for n in g.nodes if g._types[n.outputs[0]][1] == "float32"]
     assert floats == ["dequantize"] * len(g.outputs), floats
+    # each residual add runs in the convolution before it (its quantized_add post-op), and
+    # the bits above are still ONNX Runtime's
+    adds = [n.name for n in g.nodes if n.op == "binary"]
+    assert adds and [f.split(" + ")[1] for f in res.report.fused] == adds, res.report.fused
 
 
 
@@ -174,7 +178,10 @@ def test_numpy_references_equal_onnxruntime(models, fmt, tmp_path):
     g = bp.Graph.from_onnx(model, cache=empty)
     res = g.run(**feeds)
     assert set(res.report.fallbacks.values()) == {"numpy"}
-    assert len(res.report.fallbacks) == len(g.nodes) - sum(n.op == "reshape" for n in g.nodes)
+    fused = len(res.report.fused)      # residual adds run inside their convolutions
+    assert fused == sum(n.op == "binary" for n in g.nodes) > 0
+    assert len(res.report.fallbacks) == \
+        len(g.nodes) - sum(n.op == "reshape" for n in g.nodes) - fused
     got, want = res.numpy()["logits"], _ort(model, feeds)[0]
     assert got.tobytes() == want.tobytes()
 

@@ -56,6 +56,16 @@ CASES = {
                  "dst_scale": 0.05, "dst_zero_point": -2, "sum": "nChw16c", "post_ops": [
                      binary("add", "channel"), {"kind": "sum", "dt": "uint8", "zero_point": 128},
                      binary("prelu", "tensor")]},
+    # a quantized model's residual add in the convolution: the value rounded to uint8 first,
+    # then ONNX Runtime's QLinearAdd with an 8-bit addend, in either operand order
+    "u8_qadd": {**CONV, "dtype": "uint8", "src_zero_point": 3, "dst_dtype": "uint8",
+                "dst_zero_point": 100, "addend": "nChw16c", "post_ops": [
+                    binary("mul", "channel"), RELU, {"kind": "quantized_add", "scales":
+                    [0.02, 0.03, 0.045], "zero_points": [100, 7, 90], "addend_first": True}]},
+    "s8_qadd": {**CONV, "dtype": "int8", "dst_dtype": "int8", "dst_scale": 0.5,
+                "addend": "nChw16c", "post_ops": [{"kind": "quantized_add", "dt": "uint8",
+                                                   "scales": [0.05, 0.01, 0.04],
+                                                   "zero_points": [-3, 128, 5]}]},
     "s8_mm": {**MATMUL, "dtype": "int8", "weights": "BA16a16b", "binary_0": "aB16b",
               "sum": "aB16b", "sum_1": "aB16b",
               "post_ops": [binary("min", "full"), {"kind": "sum", "scale": 0.25},
@@ -254,6 +264,12 @@ def test_arguments_name_each_tensor_in_chain_order():
     ({"post_ops": [{"kind": "sum", "dt": "float64"}], "sum": "nChw16c"},
      "dt must have the destination's element size \\(float32: float32, int32\\)"),
     ({"post_ops": [{"kind": "binary", "mask": 2}]}, "unknown key mask"),
+    ({"post_ops": [{"kind": "quantized_add"}], "addend": "nChw16c"},
+     "needs a uint8/int8 source and a dst_dtype of uint8 or int8"),
+    ({"post_ops": [{"kind": "quantized_add"}, RELU], "addend": "nChw16c", "dtype": "uint8",
+      "dst_dtype": "uint8"}, "'quantized_add' post-op ends the chain"),
+    ({"post_ops": [{"kind": "quantized_add", "scales": [1.0, 0.0, 1.0]}], "addend": "nChw16c",
+      "dtype": "uint8", "dst_dtype": "uint8"}, "scales must be three positive numbers"),
 ])
 def test_spec_errors(change, message):
     with pytest.raises(bp.SpecError, match=message):

@@ -16,8 +16,9 @@ import math
 
 import numpy as np
 
+from blockpad import qlinear
 from blockpad.layout import pad_sides
-from blockpad.vocabulary import post_op_tensors
+from blockpad.vocabulary import QUANTIZED_ADD, post_op_tensors
 
 # unit roundoff of the type a kernel computes in
 UNIT = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11,
@@ -198,7 +199,7 @@ def dot(entry, t):
         bound = terms * u * absacc.astype(np.float64)
     v, bound = post_ops(entry.get("post_ops", []), t, v, bound, u, channel, int_bias)
     if "scale" in t:
-        return requantize(entry, v, bound)
+        return quantized_add(entry, t, *requantize(entry, v, bound))
     return v, bound + rounding(dst_type, v)
 
 
@@ -216,6 +217,8 @@ def post_ops(chain, t, v, bound, u, channel, int_bias=False):
             s = p.get("scale", 1.0) * (t[name].astype(np.float64) - p.get("zero_point", 0))
             v = v + s
             bound = bound + 2 * u * (np.abs(v) + np.abs(s))
+        elif p["kind"] == QUANTIZED_ADD:
+            continue                 # after the destination's rounding: ``quantized_add``
         elif p["kind"] == "binary":
             b = t[name].astype(np.float64)
             b = b[(0,) * b.ndim] if p.get("operand", "full") == "tensor" else \
@@ -311,6 +314,30 @@ def requantize(entry, v, bound):
         return v, bound + u * np.abs(v)
     want = saturate(np.rint(v), dtype, zp)
     lo, hi = (saturate(np.rint(v + s * bound), dtype, zp) for s in (-1, 1))
+    return want, np.maximum(hi - want, want - lo)
+
+
+def quantized_add(entry, t, q, bound):
+    """A chain's closing ``quantized_add`` on the rounded destination value ``q`` (which may
+    be ``bound`` steps off): ONNX Runtime's QLinearAdd with ``addend`` (``qlinear.add``, two
+    float32 fmas), in the entry's operand order. The bound: how far the sums of ``q -
+    bound`` and ``q + bound`` fall from the sum of ``q``."""
+    chain = entry.get("post_ops") or []
+    if not chain or chain[-1]["kind"] != QUANTIZED_ADD:
+        return q, bound
+    p, dtype = chain[-1], entry["dst_dtype"]
+    lo_q, hi_q = np.iinfo(dtype).min, np.iinfo(dtype).max
+    (sq, sa, sr), (zq, za, zr) = p["scales"], p["zero_points"]
+    a = t["addend"]
+
+    def add(v):
+        v = np.clip(v, lo_q, hi_q)
+        if p.get("addend_first"):
+            return qlinear.add(a, v, qlinear.add_params(sa, za, sq, zq, sr, zr), dtype)
+        return qlinear.add(v, a, qlinear.add_params(sq, zq, sa, za, sr, zr), dtype)
+
+    want = add(q).astype(np.float64)
+    lo, hi = add(q - bound), add(q + bound)
     return want, np.maximum(hi - want, want - lo)
 
 

@@ -18,6 +18,15 @@ applied in the order given to the reduced value ``v`` at destination element ``i
   dst's shape in any layout (``"full"``), in the chain's type: oneDNN's binary post-op with its
   per-tensor, per-channel and full broadcast masks. Arguments ``binary_0``, ``binary_1``, ... in
   chain order.
+* ``quantized_add`` (integer kernels with a uint8/int8 destination; last in the chain): the
+  value is first rounded and saturated to the destination's type (the kernel's own
+  quantization: ``dst_scale``, ``dst_zero_point``), then summed with ``addend``, an 8-bit
+  tensor laid out like dst, as ONNX Runtime's QLinearAdd sums two quantized tensors
+  (``quantize.add``: two float32 fmas, round half to even, saturate) into the destination's
+  type. ``scales`` and ``zero_points`` are [value, addend, result]'s; ``addend_first``: the
+  addend is QLinearAdd's first operand. oneDNN has no such entry (its sum runs before the
+  destination's rounding); it is what fuses a quantized model's residual ``QLinearAdd`` into
+  the convolution before it and keeps the result bit-exact with ONNX Runtime's two ops.
 
 The chain runs in the accumulator's type: the source's for float32 and float64, float32 for
 float16 (cast to the destination's at the store). Integer kernels (uint8/int8 x int8 -> int32)
@@ -55,10 +64,11 @@ from blockpad.vocabulary import (
     MAX_SUMS,
     POST_OP_DEFAULTS,
     POST_OP_TENSORS,
+    QUANTIZED_ADD,
     post_op_tensors,
 )
 
-from . import eltwise, quant
+from . import eltwise, quant, quantize
 from .common import Source, dtype_of, nan_max, nan_min
 from .quant import BF16
 
@@ -116,10 +126,13 @@ def check(post_ops) -> list[dict]:
         if unknown:
             raise SpecError(f"post_ops[{i}] ({kind}): unknown key {', '.join(unknown)}; "
                             f"expected {', '.join(['kind', *POST_OP_DEFAULTS[kind]])}")
-        most = {"bias": 1, "sum": MAX_SUMS, "binary": MAX_BINARIES}.get(kind)
+        most = {"bias": 1, "sum": MAX_SUMS, "binary": MAX_BINARIES, QUANTIZED_ADD: 1}.get(kind)
         if most is not None and sum(q["kind"] == kind for q in out) == most:
             raise SpecError(f"post_ops[{i}]: at most {'one' if most == 1 else most} {kind!r} "
                             f"post-op{'s' if most > 1 else ''} (each names a tensor)")
+        if out and out[-1]["kind"] == QUANTIZED_ADD:
+            raise SpecError(f"post_ops[{i}]: a {QUANTIZED_ADD!r} post-op ends the chain (its "
+                            f"result is the destination's rounded value); got {p!r} after it")
         out.append({"kind": kind, **POST_OP_DEFAULTS[kind], **p})
         _check_entry(i, out[-1])
     return out
@@ -143,6 +156,21 @@ def _check_entry(i: int, p: dict) -> None:
     elif p["kind"] == "binary":
         expect("algorithm", p["algorithm"] in BINARY_POST_OPS, f"one of {', '.join(BINARY_POST_OPS)}")
         expect("operand", p["operand"] in BINARY_OPERANDS, f"one of {', '.join(BINARY_OPERANDS)}")
+    elif p["kind"] == QUANTIZED_ADD:
+        expect("scales", _triple(p["scales"], lambda s: _number(s) and 0 < s < float("inf")),
+               "three positive numbers (value, addend, result)")
+        expect("zero_points", _triple(p["zero_points"], lambda z: isinstance(z, int) and
+                                      not isinstance(z, bool) and -128 <= z <= 255),
+               "three integers in -128..255 (value, addend, result)")
+        expect("addend_first", isinstance(p["addend_first"], bool), "true or false")
+        expect("dt", p["dt"] in (None, *INTEGER), f"one of {', '.join(INTEGER)} (or left out: "
+               f"the destination's)")
+        p["scales"] = [float(s) for s in p["scales"]]
+        p["zero_points"] = [int(z) for z in p["zero_points"]]
+
+
+def _triple(v, ok) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) == 3 and all(ok(x) for x in v)
 
 
 def _number(x) -> bool:
@@ -159,6 +187,10 @@ def tensors(post_ops, dst_shape, channels: int, src_dtype: str, params=None) -> 
     out = {"scale": (quant.scale_shape(params, channels), "float32")} \
         if src_dtype in INTEGER else {}
     shapes = {"tensor": (1,), "channel": (channels,), "full": tuple(dst_shape)}
+    if any(p["kind"] == QUANTIZED_ADD for p in chain) and dst not in INTEGER:
+        raise SpecError(f"{QUANTIZED_ADD} post-op: it sums two quantized 8-bit values, so the "
+                        f"kernel needs a uint8/int8 source and a dst_dtype of uint8 or int8; got "
+                        f"a {src_dtype} source with a {dst} destination")
     for p, name in zip(chain, post_op_tensors(chain)):
         if p["kind"] == "bias":
             out[name] = ((channels,), quant.bias_dtype(chain, src_dtype, natural))
@@ -166,6 +198,8 @@ def tensors(post_ops, dst_shape, channels: int, src_dtype: str, params=None) -> 
             out[name] = (tuple(dst_shape), _sum_type(p, dst))
         elif p["kind"] == "binary":
             out[name] = (shapes[p["operand"]], natural)
+        elif p["kind"] == QUANTIZED_ADD:
+            out[name] = (tuple(dst_shape), p["dt"] or dst)
     return {n: out[n] for n in TENSORS if n in out}
 
 
@@ -184,14 +218,16 @@ def _bits(dtype: str) -> int:
 
 
 def check_layouts(layouts: dict) -> None:
-    """A sum tensor is read at dst's physical positions: it needs dst's padded dims and halo
-    (checked when a spec is parsed, and again when the chain is made)."""
+    """A sum tensor (and a quantized add's addend) is read at dst's physical positions: it
+    needs dst's padded dims and halo (checked when a spec is parsed, and again when the chain
+    is made)."""
     dst = layouts["dst"]
     for name in TENSORS:
-        if name.startswith("sum") and name in layouts and \
+        if (name.startswith("sum") or name == "addend") and name in layouts and \
                 (layouts[name].padded_shape, layouts[name].paddings) != \
                 (dst.padded_shape, dst.paddings):
-            raise SpecError(f"{name} (a sum post-op): its layout must have dst's padded dims "
+            kind = "a sum" if name.startswith("sum") else "a quantized add"
+            raise SpecError(f"{name} ({kind} post-op): its layout must have dst's padded dims "
                             f"and halo; got {layouts[name]} for dst {dst}")
 
 
@@ -232,9 +268,20 @@ class Chain:
                 v = v + tirx.const(p["scale"], dtype) * s
             elif p["kind"] == "binary":
                 v = BINARY[p["algorithm"]](v, self._operand(p, name, idx, k).astype(dtype))
-            else:
+            elif p["kind"] == "eltwise":
                 v = eltwise.apply(p["algorithm"], v, p["alpha"], p["beta"])
-        return v if self.requant is None else self.requant.finish(v)
+        if self.requant is None:
+            return v
+        q = self.requant.finish(v)
+        last = self.ops[-1] if self.ops else None
+        if last is not None and last["kind"] == QUANTIZED_ADD:
+            a = self.sources[self.names[-1]](*idx)
+            pair = (a, q) if last["addend_first"] else (q, a)
+            scales, zps = last["scales"], last["zero_points"]
+            if last["addend_first"]:
+                scales, zps = [scales[1], scales[0], scales[2]], [zps[1], zps[0], zps[2]]
+            q = quantize.add(*pair, scales, zps, self.requant.dst)
+        return q
 
     def _operand(self, p, name, idx, k):
         if p["operand"] == "tensor":

@@ -26,6 +26,7 @@ from blockpad.vocabulary import (
     POST_OP_DEFAULTS,
     POST_OP_TENSORS,
     QUANT_DEFAULTS,
+    QUANTIZED_ADD,
     post_op_tensors,
     with_defaults,
 )
@@ -664,7 +665,14 @@ def _post_op(p):
     if not isinstance(p, dict) or p.get("kind") not in POST_OP_DEFAULTS:
         raise ArgumentError(f"post-op {p!r}: kind must be one of {', '.join(POST_OP_DEFAULTS)}")
     p = dict(p)
-    operand = p.pop("operand", None) if p["kind"] in ("sum", "binary") else None
+    operand = p.pop("operand", None) if p["kind"] in ("sum", "binary", QUANTIZED_ADD) else None
+    if p["kind"] == QUANTIZED_ADD:
+        if operand is None:
+            raise ArgumentError(f"post-op {p!r}: a quantized add needs its 8-bit tensor "
+                                f"(\"operand\": a result-shaped Tensor)")
+        q = with_defaults(p)
+        p = {**q, "scales": [float(v) for v in q["scales"]],
+             "zero_points": [int(v) for v in q["zero_points"]]}
     if p["kind"] == "binary":
         if operand is None:
             raise ArgumentError(f"post-op {p!r}: a binary post-op needs its second tensor "

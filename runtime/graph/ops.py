@@ -18,7 +18,14 @@ from blockpad import qlinear, winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
 from blockpad.numpy_conv import direct_conv
-from blockpad.vocabulary import POOL_DTYPES, POST_OP_TENSORS, QUANT_DEFAULTS, post_op_tensors, with_defaults
+from blockpad.vocabulary import (
+    POOL_DTYPES,
+    POST_OP_TENSORS,
+    QUANT_DEFAULTS,
+    QUANTIZED_ADD,
+    post_op_tensors,
+    with_defaults,
+)
 
 from ..cache import Request
 
@@ -373,9 +380,9 @@ def check_post_op_inputs(node, types, out, channels: int) -> None:
         if tuple(shape) != tuple(want):
             raise ArgumentError(f"{node.name}: the {p['kind']} post-op's tensor ({name}) must "
                                 f"be {tuple(want)}; got {tuple(shape)}")
-        if p["kind"] == "sum" and dt != (p["dt"] or out[1]):
-            raise ArgumentError(f"{node.name}: the sum post-op's tensor ({name}) must be "
-                                f"{p['dt'] or out[1]}; got {dt}")
+        if p["kind"] in ("sum", QUANTIZED_ADD) and dt != (p["dt"] or out[1]):
+            raise ArgumentError(f"{node.name}: the {p['kind']} post-op's tensor ({name}) must "
+                                f"be {p['dt'] or out[1]}; got {dt}")
 
 
 # ---- integer convolution and matmul: the quantization attributes ------------------------------
@@ -451,13 +458,27 @@ def _int32_bias(post_ops) -> bool:
 
 def _only_int32_bias(node) -> None:
     """The numpy reference of an integer convolution or matmul (no compiler) runs the chains
-    quantized models import: an int32 bias, nothing else. Refuse any other chain rather than
-    drop its entries."""
+    quantized models import: an int32 bias, and a quantized add at the end (a residual
+    ``QLinearAdd`` fused into the convolution, ``passes.fuse_post_ops``). Refuse any other
+    chain rather than drop its entries."""
     a = node.attrs
-    if a.get("sum") or any(p["kind"] != "bias" for p in a["post_ops"]) or \
+    if a.get("sum") or any(p["kind"] not in ("bias", QUANTIZED_ADD) for p in a["post_ops"]) or \
             (a["bias"] and not _int32_bias(a["post_ops"])):
         raise ArgumentError(f"{node.name}: the numpy reference of an integer {node.op} takes an "
-                            f"int32 bias and no other post-op; got {a['post_ops']}")
+                            f"int32 bias and a quantized add, no other post-op; got "
+                            f"{a['post_ops']}")
+
+
+def quantized_add_ref(node, q, addend):
+    """A chain's closing ``quantized_add`` (if any) on the requantized ``q``: ONNX Runtime's
+    QLinearAdd of ``q`` and ``addend``, in the order the entry says."""
+    last = node.attrs["post_ops"][-1] if node.attrs["post_ops"] else None
+    if last is None or last["kind"] != QUANTIZED_ADD:
+        return q
+    (sq, sa, sr), (zq, za, zr) = last["scales"], last["zero_points"]
+    if last["addend_first"]:
+        return qlinear.add(addend, q, qlinear.add_params(sa, za, sq, zq, sr, zr), q.dtype.name)
+    return qlinear.add(q, addend, qlinear.add_params(sq, zq, sa, za, sr, zr), q.dtype.name)
 
 
 class Conv2d(OpInfo):
@@ -595,7 +616,7 @@ class Conv2d(OpInfo):
         scale, bias = rest[0], (rest[1] if a["bias"] else None)
         acc = qlinear.conv_acc(x, node.attrs["quant"].get("src_zero_point", 0), w, bias,
                                a["stride"], pad_sides(a["pad"]), a["dilation"], a["groups"])
-        return requantize_ref(node, acc, scale)
+        return quantized_add_ref(node, requantize_ref(node, acc, scale), rest[-1] if rest else None)
 
 
 class InvertedResidual(OpInfo):
@@ -797,10 +818,11 @@ class Matmul(OpInfo):
     def reference(self, node, arrays):
         if node.attrs.get("quant") is not None:
             _only_int32_bias(node)
-            x, w, scale, *bias = arrays
+            x, w, scale, *rest = arrays
             acc = qlinear.matmul_acc(x, node.attrs["quant"].get("src_zero_point", 0), w,
-                                     bias[0] if node.attrs["bias"] else None)
-            return [requantize_ref(node, acc, scale)]
+                                     rest[0] if node.attrs["bias"] else None)
+            return [quantized_add_ref(node, requantize_ref(node, acc, scale),
+                                      rest[-1] if rest else None)]
         x, w, *rest = arrays
         out = x.astype(np.float64) @ w.astype(np.float64)
         return [chain_ref(out, node.attrs["post_ops"], _post_op_arrays(node.attrs, rest))]

@@ -176,7 +176,7 @@ class Plan:
         if g.fuse and g.layouts == "blocked":
             nodes, self.fused = fuse_post_ops(
                 nodes, protected, lambda n: len({t[0] for t in node_types[n.name]}) == 1,
-                kinds=g.fuse, float_result=lambda n: "float" in env_types[n.outputs[0]][1])
+                kinds=g.fuse, dtype_of=lambda v: env_types[v][1])
         if INVERTED_RESIDUAL in g.fuse and g.layouts == "blocked":
             nodes, blocks = fuse_inverted_residuals(
                 nodes, protected, lambda n: node_types[n.name],
