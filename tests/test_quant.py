@@ -471,8 +471,8 @@ def test_graph_refuses_attributes_on_float_and_an_integer_source_without_scale()
 @pytest.mark.filterwarnings("ignore::blockpad.errors.FallbackWarning")   # the fallback is the point
 def test_graph_numpy_reference_refuses_an_integer_chain_it_cannot_run(tmp_path):
     """With no compiler the graph runs integer convs and matmuls in numpy, which takes an int32
-    bias and nothing else: a relu after an integer matmul is refused, never silently dropped
-    (it was, for matmul)."""
+    bias and a closing quantized add, nothing else: a relu after an integer matmul is refused,
+    never silently dropped (it was, for matmul)."""
     from blockpad.runtime.cache import KernelCache
     g = bp.Graph(cache=KernelCache(compiler=None, cache_dir=tmp_path))
     m = g.input("m", (3, 8), "int8")
@@ -480,5 +480,5 @@ def test_graph_numpy_reference_refuses_an_integer_chain_it_cannot_run(tmp_path):
                  scale=g.constant("sm", np.array([0.5], np.float32)), scales="tensor",
                  post_ops=["relu"])
     g.output(y)
-    with pytest.raises(bp.ArgumentError, match="int32 bias and no other post-op"):
+    with pytest.raises(bp.ArgumentError, match="int32 bias and a quantized add, no other post-op"):
         g.run(m=np.ones((3, 8), np.int8))

@@ -6,7 +6,7 @@ and runs one kernel, so the number of tries is bounded."""
 from __future__ import annotations
 
 from blockpad.layout import Layout
-from blockpad.vocabulary import POST_OP_TENSORS, post_op_tensors
+from blockpad.vocabulary import POST_OP_TENSORS, QUANTIZED_ADD, post_op_tensors
 
 TENSORS = ("src", "src0", "src1", "layout", "expand_weights", "depthwise_weights", "weights",
            "dst")
@@ -39,9 +39,9 @@ def simpler(entry: dict):
             steps.append(plain)                                     # blocks dropped
         for value in steps:
             e = {**entry, t: value}
-            if t == "dst":                        # sums are laid out like dst, by definition
+            if t == "dst":       # sums and an addend are laid out like dst, by definition
                 e.update({n: value for p, n in zip(chain, post_op_tensors(chain))
-                          if p["kind"] == "sum"})
+                          if p["kind"] in ("sum", QUANTIZED_ADD)})
             if entry.get("inplace") and t in ("src", "src0", "dst"):
                 continue                          # in place: one layout for both
             yield e
