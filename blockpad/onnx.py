@@ -274,8 +274,9 @@ class _Importer(QuantizedOps):
         while name in self.g._types:
             name += "_"
         integer = np.issubdtype(np.asarray(array).dtype, np.integer)
-        return self.g.constant(name, np.ascontiguousarray(array, dtype=None if integer
-                                                          else np.float32))
+        # the importer's own array (read from the model, or computed: folded batch norm)
+        array = np.ascontiguousarray(array, dtype=None if integer else np.float32)
+        return self.g.constant(name, array, owned=True)
 
     def _emit(self, node, method, *args, output=0, value=None, **kw):
         """Add one graph op for ``node``; its shape errors name the node. Its result is the

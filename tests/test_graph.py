@@ -304,6 +304,30 @@ def test_frozen_weights_refresh_explicitly(cache, rng):
     assert np.allclose(res["eltwise_1"].numpy(), ref(xv, w1, w2), atol=1e-5)
 
 
+def test_owned_constants_are_read_only_and_never_compared(cache, rng):
+    """``constant(..., owned=True)`` (what the ONNX importer gives): the array turns read-only,
+    so nothing can change it behind the graph's back, and under weights="check" it is neither
+    copied nor compared before each run; set_constant still replaces it (the caller's array
+    from then on, checked again)."""
+    rng1 = np.random.default_rng(8)
+    w = arr(rng1, (MID, X[1], 3, 3), 0.2)
+    g = bp.Graph(cache=cache)
+    x = g.input("x", X)
+    g.output(g.conv2d(x, g.constant("w", w, owned=True), pad=1))
+    xv = arr(rng, X)
+    assert np.allclose(g.run(x=xv)["conv2d_0"].numpy(), ref_conv(xv, w, pad=1), atol=1e-5)
+    with pytest.raises(ValueError, match="read-only"):
+        w[0] = 0.0
+    assert g.weight_cache._kept == {}
+    w2 = -w
+    g.set_constant("w", w2)
+    assert np.allclose(g.run(x=xv)["conv2d_0"].numpy(), ref_conv(xv, w2, pad=1), atol=1e-5)
+    w2 *= 2.0                                     # the caller's array now: a change is seen
+    res = g.run(x=xv)
+    assert res.report.weight_reorders == 1
+    assert np.allclose(res["conv2d_0"].numpy(), ref_conv(xv, w2, pad=1), atol=1e-5)
+
+
 def test_a_constant_read_as_it_is_follows_set_constant(cache, rng):
     """A bias is read by its convolution as it is (no prepared layout): the run binds it once
     and again only after set_constant gave the graph another array."""

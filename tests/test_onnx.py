@@ -151,6 +151,9 @@ def test_batchnorm_folded_and_standalone(cache):
               {"x": (5, 6, 7)}, cache=cache)
     ops = [n.op for n in g.nodes]
     assert ops.count("conv2d") == 2 and ops.count("binary") == 5, ops
+    # the imported weights are the graph's own: read-only, never copied or compared per run
+    assert g.constants and not any(a.flags.writeable for a in g.constants.values())
+    assert g.weight_cache._kept == {}
 
 
 def test_activations_and_broadcasting(cache):

@@ -159,13 +159,16 @@ class Graph:
         self._changed()
         return Tensor(self, name, shape, dtype)
 
-    def constant(self, name, array) -> Tensor:
-        """A weight: reordered to the layout its consumer wants once, and kept. Never written."""
+    def constant(self, name, array, owned=False) -> Tensor:
+        """A weight: reordered to the layout its consumer wants once, and kept. Never written.
+        ``owned``: the array is the graph's alone (nothing else holds or writes it, as an
+        importer's): it is made read-only and, whatever ``weights`` says, neither copied nor
+        compared before each run."""
         if name in self._types:
             raise ArgumentError(f"{name!r} is already a variable of this graph")
         array = np.asarray(array)
         dtype_name(array.dtype)
-        self.weight_cache.add(name, array)
+        self.weight_cache.add(name, array, owned=owned)
         self._types[name] = (array.shape, dtype_name(array.dtype))
         self._changed()
         return Tensor(self, name, array.shape, dtype_name(array.dtype))

@@ -5,7 +5,10 @@ Each constant is held as the caller's array (or a snapshot of it, ``mode="frozen
 each layout a plan reads it in, reordered on first use. ``mode="check"`` compares the caller's
 array byte for byte with a copy kept at the reorder before each run and re-reorders what
 changed (a checksum such as adler32 can be fooled by a few sign flips, a compare cannot, and it
-is the cheaper of the two); ``set`` marks a constant changed under either mode. A *prepacked*
+is the cheaper of the two); ``set`` marks a constant changed under either mode. An *owned*
+constant is an array nobody else holds (an ONNX importer's): made read-only and never compared
+or copied, under either mode (int8 ResNet-50 from ONNX, 1 thread: 5 ms a run compared, with a
+25 MB copy, against 22 ms of kernels). A *prepacked*
 constant (a model build's packed weights) is held only in the layouts given: never reordered,
 no plain copy.
 
@@ -42,10 +45,17 @@ class WeightCache:
         self._stale: set = set()
         self._prepacked: set = set()  # constants held only in packed layouts
         self._seven_bit: set = set()  # int8 weights planned as weight_bits = 7 kernels' input
+        self._owned: set = set()      # constants nobody else can write: never compared
         self._lock = threading.RLock()
 
-    def add(self, name, array) -> None:
-        self.arrays[name] = self._keep(array)
+    def add(self, name, array, owned=False) -> None:
+        """``owned``: ``array`` is the graph's alone; it is made read-only, not copied."""
+        if owned:
+            array.setflags(write=False)
+            self.arrays[name] = array
+            self._owned.add(name)
+        else:
+            self.arrays[name] = self._keep(array)
         self.version += 1
 
     def add_prepacked(self, name, shape, dtype, memories) -> None:
@@ -70,6 +80,7 @@ class WeightCache:
             self.version += 1
             self._stale.add(name)
             self._prepacked.discard(name)
+            self._owned.discard(name)   # the caller's array now
             if not fits_seven_bit(np.asarray(array)):
                 self._seven_bit.discard(name)   # the graph plans again (Graph.set_constant)
 
@@ -138,7 +149,7 @@ class WeightCache:
             stale = set(self._stale)
             if self.mode == "check":
                 for name, src in self.arrays.items():
-                    kept = self._kept.get(name)
+                    kept = self._kept.get(name)   # None for owned and prepacked ones
                     if kept is not None and not np.array_equal(_raw(src), kept):
                         stale.add(name)
             for (name, _lay), mem in self._prepared.items():
@@ -164,7 +175,7 @@ class WeightCache:
             reorder(self.cache, src_mem, mem)
         if report is not None:
             report.weight_reorders += 1
-        if self.mode == "check":
+        if self.mode == "check" and name not in self._owned:
             self._kept[name] = _raw(src).copy()
 
 
