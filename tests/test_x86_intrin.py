@@ -446,6 +446,16 @@ PEAKS = {"int8": ("avx512-vnni", "avx512", "vpdpbusd", 64, "avx512_vnni",
                       lambda c, s: c.astype("float32"))}
 
 
+def test_peak_target_defaults_to_what_the_dtype_needs():
+    from blockpad.bench.peak import resolve_target
+    from blockpad.codegen.targets import native_target
+
+    assert resolve_target(None, "float32") == "host"
+    assert resolve_target(None, "int8") == resolve_target(None, "bfloat16") == native_target()
+    assert resolve_target("native", "float32") == native_target()
+    assert resolve_target("avx512-vnni", "int8") == "avx512-vnni"
+
+
 @pytest.mark.parametrize("dtype", list(PEAKS))
 def test_dot_peak_kernels_are_chains_of_the_instruction(dtype):
     """``bench.peak --dtype int8 | bfloat16`` times what it says: every chain step one zmm

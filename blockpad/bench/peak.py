@@ -17,7 +17,9 @@ counts an FMA, so the two are comparable (a VNNI machine's int8 peak is about 4x
 ``--dtype bfloat16``: ``vdpbf16ps`` chains (32 bf16 products into 16 float32 lanes a step),
 the bf16 peak of an AVX-512 BF16 machine, in GFLOP/s counted the same way.
 
-    python -m blockpad.bench.peak [--target host] [--threads N] [--dtype int8|bfloat16]
+    python -m blockpad.bench.peak [--target host|native|...] [--threads N] [--dtype int8|bfloat16]
+
+(``--target`` left out: ``host`` for float32, ``native`` for int8 and bfloat16.)
 """
 
 from __future__ import annotations
@@ -167,12 +169,27 @@ def measure(target="host", threads=1, repeat=7, dtype="float32") -> float:
     return p.flops / interleaved({"peak": p}, repeat)["peak"] / 1e9
 
 
+def resolve_target(target: str | None, dtype: str) -> str:
+    """``--target`` as given, ``native`` the widest target this CPU runs; left out: ``host``
+    for float32 (the AVX2 peak host kernels reach) and ``native`` for int8 and bfloat16, whose
+    instructions only the wider targets have (a bare ``--dtype int8`` failed on ``host``)."""
+    if target is None:
+        target = "host" if dtype == "float32" else "native"
+    if target == "native":
+        from blockpad.codegen.targets import native_target
+        target = native_target()
+    return target
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="host")
+    ap.add_argument("--target", default=None,
+                    help="a blockpad target, or native (the widest this CPU runs); default: "
+                         "host for float32 (the AVX2 peak), native for int8 and bfloat16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", choices=("float32", "int8", "bfloat16"), default="float32")
     args = ap.parse_args(argv)
+    args.target = resolve_target(args.target, args.dtype)
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
     fig = measure(args.target, args.threads, dtype=args.dtype)
     unit = {"int8": "GOP/s int8 (vpdpbusd)", "bfloat16": "GFLOP/s bf16 (vdpbf16ps)"}.get(
