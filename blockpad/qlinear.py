@@ -120,3 +120,13 @@ def add(a, b, params, dtype) -> np.ndarray:
     a, b = np.asarray(a).astype(F32), np.asarray(b).astype(F32)
     v = fma(a, r_a, fma(b, r_b, fixed))
     return saturate(np.rint(v).astype(np.int64), dtype)
+
+
+def add_in_order(value, addend, scales, zero_points, addend_first, dtype) -> np.ndarray:
+    """A ``quantized_add`` post-op's sum: QLinearAdd of ``value`` and ``addend`` with
+    ``scales`` and ``zero_points`` given as [value, addend, result]'s, ``addend`` QLinearAdd's
+    first operand if ``addend_first`` (the fmas round in operand order)."""
+    (sv, sa, sr), (zv, za, zr) = scales, zero_points
+    if addend_first:
+        return add(addend, value, add_params(sa, za, sv, zv, sr, zr), dtype)
+    return add(value, addend, add_params(sv, zv, sa, za, sr, zr), dtype)

@@ -327,14 +327,10 @@ def quantized_add(entry, t, q, bound):
         return q, bound
     p, dtype = chain[-1], entry["dst_dtype"]
     lo_q, hi_q = np.iinfo(dtype).min, np.iinfo(dtype).max
-    (sq, sa, sr), (zq, za, zr) = p["scales"], p["zero_points"]
-    a = t["addend"]
 
     def add(v):
-        v = np.clip(v, lo_q, hi_q)
-        if p.get("addend_first"):
-            return qlinear.add(a, v, qlinear.add_params(sa, za, sq, zq, sr, zr), dtype)
-        return qlinear.add(v, a, qlinear.add_params(sq, zq, sa, za, sr, zr), dtype)
+        return qlinear.add_in_order(np.clip(v, lo_q, hi_q), t["addend"], p["scales"],
+                                    p["zero_points"], p.get("addend_first", False), dtype)
 
     want = add(q).astype(np.float64)
     lo, hi = add(q - bound), add(q + bound)

@@ -276,11 +276,10 @@ class Chain:
         last = self.ops[-1] if self.ops else None
         if last is not None and last["kind"] == QUANTIZED_ADD:
             a = self.sources[self.names[-1]](*idx)
-            pair = (a, q) if last["addend_first"] else (q, a)
-            scales, zps = last["scales"], last["zero_points"]
-            if last["addend_first"]:
-                scales, zps = [scales[1], scales[0], scales[2]], [zps[1], zps[0], zps[2]]
-            q = quantize.add(*pair, scales, zps, self.requant.dst)
+            # [value, addend, result]'s parameters, in QLinearAdd's operand order
+            pair, order = ((a, q), (1, 0, 2)) if last["addend_first"] else ((q, a), (0, 1, 2))
+            q = quantize.add(*pair, [last["scales"][k] for k in order],
+                             [last["zero_points"][k] for k in order], self.requant.dst)
         return q
 
     def _operand(self, p, name, idx, k):

@@ -475,10 +475,8 @@ def quantized_add_ref(node, q, addend):
     last = node.attrs["post_ops"][-1] if node.attrs["post_ops"] else None
     if last is None or last["kind"] != QUANTIZED_ADD:
         return q
-    (sq, sa, sr), (zq, za, zr) = last["scales"], last["zero_points"]
-    if last["addend_first"]:
-        return qlinear.add(addend, q, qlinear.add_params(sa, za, sq, zq, sr, zr), q.dtype.name)
-    return qlinear.add(q, addend, qlinear.add_params(sq, zq, sa, za, sr, zr), q.dtype.name)
+    return qlinear.add_in_order(q, addend, last["scales"], last["zero_points"],
+                                last["addend_first"], q.dtype.name)
 
 
 class Conv2d(OpInfo):
