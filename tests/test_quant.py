@@ -482,3 +482,29 @@ def test_graph_numpy_reference_refuses_an_integer_chain_it_cannot_run(tmp_path):
     g.output(y)
     with pytest.raises(bp.ArgumentError, match="int32 bias and a quantized add, no other post-op"):
         g.run(m=np.ones((3, 8), np.int8))
+
+
+def test_float_rounding_equals_the_integer_one():
+    """``round_clamped_float`` (the requantized value a quantized add reads, kept in float32)
+    against numpy's rint of the clamped value plus the offset: ties both ways, both ends,
+    vectorized as an epilogue is (the sum goes through its bits, so neither TVM nor LLVM may
+    fold ``(x + M) - M`` back into ``x``)."""
+    import tvm
+    from tvm import te
+
+    from blockpad.codegen.ops.common import round_clamped_float
+
+    lo, hi, offset = -117.0, 138.0, 117
+    x = te.placeholder((64,), "float32", name="x")
+    y = te.compute((64,), lambda i: round_clamped_float(x[i] + 0.0, lo, hi, offset), name="y")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([x, y]))
+    sch.vectorize(sch.get_loops(sch.get_sblock("y"))[0])
+    f = tvm.compile(sch.mod, target="llvm")["main"]
+    vals = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 137.5, 138.4, 139.0, -117.5, -1e9, 1e9,
+                     3.49999976, -3.50000024, 0.0, -0.0] * 4, np.float32)
+    out = tvm.runtime.tensor(np.zeros(64, np.float32))
+    f(tvm.runtime.tensor(vals), out)
+    want = np.rint(np.clip(vals, lo, hi)) + offset
+    np.testing.assert_array_equal(out.numpy(), want.astype(np.float32))
+    with pytest.raises(ValueError, match="float32 within 2\\*\\*22"):
+        round_clamped_float(tvm.tirx.Var("v", "float32"), -2.0 ** 31, 2.0 ** 31)

@@ -265,6 +265,22 @@ _ROUNDING_MAGIC = {"float32": (1.5 * 2 ** 23, 0x4B400000, "int32", 2 ** 22),
                    "float64": (1.5 * 2 ** 52, 0x4338000000000000, "int64", 2 ** 51)}
 
 
+def round_clamped_float(v, lo: float, hi: float, offset: int = 0):
+    """``round_clamped(v, lo, hi) + offset`` as the float32 that holds it exactly (|result| below
+    2**23), for an epilogue that goes on in float32: ``(x + M) - (M - offset)`` is exact, since
+    ``x + M`` holds the rounded ``x`` exactly and the difference is a float32 integer. One
+    subtract instead of the integer subtract and ``vcvtdq2ps`` back. The sum goes through its
+    bits (``reinterpret``) so that TVM's simplifier, which takes float arithmetic as exact,
+    cannot fold it back into ``x``."""
+    if dtype_of(v) != "float32" or max(abs(lo), abs(hi)) + abs(offset) > 2 ** 22:
+        raise ValueError(f"round_clamped_float: float32 within 2**22 only; got {dtype_of(v)} "
+                         f"in [{lo}, {hi}] + {offset}")
+    magic = _ROUNDING_MAGIC["float32"][0]
+    x = tirx.min(tirx.max(v, tirx.const(lo, "float32")), tirx.const(hi, "float32"))
+    shifted = tirx.reinterpret("float32", tirx.reinterpret("int32", x + tirx.const(magic, "float32")))
+    return shifted - tirx.const(magic - offset, "float32")
+
+
 def round_clamped(v, lo: float, hi: float):
     """``v`` saturated to ``[lo, hi]`` (integers) and rounded half to even, as an int32: the
     integer results' conversion, in vector instructions. Where the bounds allow, ``bits(x + M)

@@ -272,15 +272,15 @@ class Chain:
                 v = eltwise.apply(p["algorithm"], v, p["alpha"], p["beta"])
         if self.requant is None:
             return v
-        q = self.requant.finish(v)
         last = self.ops[-1] if self.ops else None
-        if last is not None and last["kind"] == QUANTIZED_ADD:
-            a = self.sources[self.names[-1]](*idx)
-            # [value, addend, result]'s parameters, in QLinearAdd's operand order
-            pair, order = ((a, q), (1, 0, 2)) if last["addend_first"] else ((q, a), (0, 1, 2))
-            q = quantize.add(*pair, [last["scales"][k] for k in order],
-                             [last["zero_points"][k] for k in order], self.requant.dst)
-        return q
+        if last is None or last["kind"] != QUANTIZED_ADD:
+            return self.requant.finish(v)
+        q = self.requant.finish(v, as_float=True)   # the add reads it as float32
+        a = self.sources[self.names[-1]](*idx)
+        # [value, addend, result]'s parameters, in QLinearAdd's operand order
+        pair, order = ((a, q), (1, 0, 2)) if last["addend_first"] else ((q, a), (0, 1, 2))
+        return quantize.add(*pair, [last["scales"][k] for k in order],
+                            [last["zero_points"][k] for k in order], self.requant.dst)
 
     def _operand(self, p, name, idx, k):
         if p["operand"] == "tensor":

@@ -102,8 +102,9 @@ def add_params(scales, zero_points) -> tuple:
 
 
 def add(a, b, scales, zero_points, dtype):
-    """The quantized sum of 8-bit values ``a`` and ``b``: two fused multiply-adds in float32,
-    each rounded once, then round half to even and saturate (ONNX Runtime's AVX2 QLinearAdd)."""
+    """The quantized sum of 8-bit values ``a`` and ``b`` (either may arrive as the float32
+    that holds it): two fused multiply-adds in float32, each rounded once, then round
+    half to even and saturate (ONNX Runtime's AVX2 QLinearAdd)."""
     r0, r1, fixed = add_params(scales, zero_points)
     lo, hi = INTEGER[dtype]
     t = fma(b.astype("float32"), _f32(r1), _f32(fixed))
