@@ -59,6 +59,9 @@ MAX_SUMS, MAX_BINARIES = 4, 8
 
 # ---- quantization attributes of integer conv2d and matmul (codegen/ops/quant.py) ---------------
 
+#: The 8-bit types of quantized values: integer kernels' sources and 8-bit destinations,
+#: quantize's outputs, a quantized add's operands, a quantized model's activations.
+QUANTIZED_DTYPES = ("uint8", "int8")
 #: Each attribute and its value when a spec, a Graph call or a manifest leaves it out: no zero
 #: points, a per-channel weight scale, no destination scale, the destination type the op has
 #: without them (None: float32 for uint8/int8 sources), and full-range int8 weights.
@@ -73,10 +76,10 @@ SEVEN_BIT_RANGE = (-64, 64)
 SCALES = ("channel", "tensor")
 #: The destination types of an integer kernel; the integer ones are rounded half to even and
 #: saturated.
-QUANT_DST_DTYPES = ("float32", "int32", "int8", "uint8")
+QUANT_DST_DTYPES = ("float32", "int32", *QUANTIZED_DTYPES)
 #: the dtypes each pooling algorithm takes: the max pools 8-bit integers too (exact for a
 #: quantized model's DequantizeLinear -> MaxPool -> QuantizeLinear); the average stays fp32
-POOL_DTYPES = {"max": ("float32", "uint8", "int8"), "avg": ("float32",)}
+POOL_DTYPES = {"max": ("float32", *QUANTIZED_DTYPES), "avg": ("float32",)}
 
 # ---- stage names: the TE stages (TIR blocks) the generator makes and the rules look up --------
 

@@ -22,6 +22,8 @@ import tempfile
 
 import numpy as np
 
+from blockpad.vocabulary import QUANTIZED_DTYPES
+
 from .common import interleaved_rounds, table
 
 # (label, C, K, H = W, kernel, pad): ResNet-50's conv3_x 3x3 and a conv2_x 1x1 reduction
@@ -101,7 +103,7 @@ def _checked(kernel, rng):
     dst = bp.Memory.empty(sig.args[-1][2])
     call = kernel.bind(*mems, dst)
     call()
-    exact = sig.args[0][2].dtype in ("int8", "uint8")
+    exact = sig.args[0][2].dtype in QUANTIZED_DTYPES
     wide = np.int64 if exact else np.float64
     p = sig.params
     x = np.pad(arrays["src"].astype(wide), ((0, 0), (0, 0), *pad_sides(p["pad"])))

@@ -49,13 +49,12 @@ from dataclasses import dataclass
 
 from blockpad.errors import SpecError
 from blockpad.layout import window_out_size
-from blockpad.vocabulary import BINARY_POST_OPS, QUANT_DST_DTYPES, post_op_tensors
+from blockpad.vocabulary import BINARY_POST_OPS, QUANT_DST_DTYPES, QUANTIZED_DTYPES, post_op_tensors
 
 from .generate import PROFILES
 
 TYPES = {"f32": "float32", "f64": "float64", "f16": "float16", "bf16": "bfloat16",
          "s32": "int32", "s8": "int8", "u8": "uint8"}
-INTEGER = ("uint8", "int8")
 DESCRIPTOR = re.compile(r"(g|mb|ic|id|ih|iw|oc|od|oh|ow|kd|kh|kw|sd|sh|sw|pd|ph|pw|dd|dh|dw)(\d+)")
 #: options that steer benchdnn's harness (which implementation, how long, how to report) and
 #: mean nothing for what a problem computes
@@ -229,7 +228,7 @@ def _types(dt: str) -> tuple:
     if unknown:
         raise Unsupported(f"data type {unknown[0]}")
     src, wei, dst = (TYPES[p] for p in (parts * 3 if len(parts) == 1 else parts))
-    if src in INTEGER:
+    if src in QUANTIZED_DTYPES:
         if wei != "int8":
             raise Unsupported(f"{wei} weights on a {src} source: int8 weights only")
         if dst not in QUANT_DST_DTYPES:
@@ -397,7 +396,7 @@ def case(opts: dict, desc: str, k: int, target: str) -> dict:
     scales, dst_scale, scaled = _scales(opts["attr-scales"], oscale)
     zps = _zero_points(opts["attr-zero-points"])
     quant = {}
-    if src in INTEGER:
+    if src in QUANTIZED_DTYPES:
         quant = {"scales": scales, "dst_dtype": dst, "dst_scale": dst_scale, **zps}
     elif scaled or zps:
         raise Unsupported(f"scales or zero points on a {src} convolution (integer ones only)")

@@ -33,7 +33,14 @@ import numpy as np
 
 from blockpad.errors import LayoutError
 from blockpad.layout import Layout
-from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS, KERNEL_ZEROS, POLICIES, post_op_tensors
+from blockpad.vocabulary import (
+    BINARY_OPERANDS,
+    BINARY_POST_OPS,
+    KERNEL_ZEROS,
+    POLICIES,
+    QUANTIZED_DTYPES,
+    post_op_tensors,
+)
 
 CHECKED_OPS = ("reorder", "zero_pad", "eltwise", "binary", "conv2d", "matmul", "softmax", "pool",
                "inverted_residual")
@@ -353,7 +360,7 @@ def _conv2d(rng, prof):
     kernel, stride, pad, dilation = _spatial(rng, h, w)
     out = [(m + 2 * p - d * (q - 1) - 1) // s + 1
            for m, q, s, p, d in zip((h, w), kernel, stride, pad, dilation)]
-    wdtype = "int8" if dtype in ("int8", "uint8") else dtype
+    wdtype = "int8" if dtype in QUANTIZED_DTYPES else dtype
     if groups == 1:
         wshape, wletters, wblock = [k, c, *kernel], "oihw", "io"
     else:
@@ -377,7 +384,7 @@ def _quant(rng, entry):
     scales, a destination type with a zero point inside its range and a scale that spreads
     the chain's values (of order one) over it, saturating some; an int32 bias, first in the
     chain by design (it is added to the accumulator)."""
-    if entry["dtype"] not in ("int8", "uint8") or rng.random() < 0.25:
+    if entry["dtype"] not in QUANTIZED_DTYPES or rng.random() < 0.25:
         return entry
     lo, hi = (0, 255) if entry["dtype"] == "uint8" else (-128, 127)
     dst = str(rng.choice(["float32", "int32", "int8", "uint8"]))
@@ -403,7 +410,7 @@ def _quant(rng, entry):
 def _matmul(rng, prof):
     dtype = str(rng.choice(prof.dot_dtypes))
     m, kk, n = int(rng.integers(1, 18)), int(rng.integers(1, 71)), int(rng.integers(1, 41))
-    wdtype = "int8" if dtype in ("int8", "uint8") else dtype
+    wdtype = "int8" if dtype in QUANTIZED_DTYPES else dtype
     entry = {"shape": [m, kk], "dtype": dtype, "n": n, "policy": _policy(rng, prof),
              "post_ops": _post_ops(rng, DST_TYPES.get(dtype, "float32")),
              "src": layout(rng, "ab", [m, kk], dtype, prof, block="ba"),

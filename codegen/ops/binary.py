@@ -9,10 +9,11 @@ arithmetic (``quantize.add``: two fused multiply-adds, the destination zero poin
 from __future__ import annotations
 
 from blockpad.errors import SpecError
+from blockpad.vocabulary import QUANTIZED_DTYPES
 
 from .common import OpDef, Source, materialize, plan_for
 from .eltwise import in_arithmetic
-from .quantize import INTEGER
+from .quant import RANGE
 from .quantize import add as quantized_add
 
 ALGORITHMS = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b}
@@ -33,10 +34,10 @@ def signature(shape, dtype, params):
 def _check_quantized(algorithm, dtype, scales, zero_points):
     if scales is None and zero_points is None:
         return
-    if algorithm != "add" or dtype not in INTEGER:
+    if algorithm != "add" or dtype not in QUANTIZED_DTYPES:
         raise SpecError(f"binary: scales and zero_points make a quantized add of uint8/int8; "
                         f"got algorithm {algorithm!r} on {dtype}")
-    lo, hi = INTEGER[dtype]
+    lo, hi = RANGE[dtype]
     if not (isinstance(scales, (list, tuple)) and len(scales) == 3 and
             all(isinstance(s, (int, float)) and s > 0 for s in scales)):
         raise SpecError(f"binary: scales must be three positive numbers [src0, src1, dst]; got "

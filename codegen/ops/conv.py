@@ -44,6 +44,7 @@ from tvm import te
 from blockpad import winograd as wino
 from blockpad.errors import SpecError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
+from blockpad.vocabulary import QUANTIZED_DTYPES
 
 from . import postops, quant, winograd
 from .common import OpDef, Source, int_pair, materialize, plan_for, reduced_channels
@@ -152,7 +153,7 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
     def opdef(mode):
         x, w = Source("src", src, mode, bits), Source("weights", wei, mode, bits)
         comp = quant.conv_compensation(w, geo, dst, c_red) if attrs["src_zero_point"] else None
-        requant = quant.Requant(attrs, dst.dtype, comp) if src.dtype in quant.INTEGER else None
+        requant = quant.Requant(attrs, dst.dtype, comp) if src.dtype in QUANTIZED_DTYPES else None
         post = postops.Chain(post_ops, layouts, mode, requant)
         xs = PaddedCopy(x, geo.pad) if staged else x
         rc = te.reduce_axis((0, c_red), "rc")

@@ -19,6 +19,7 @@ from __future__ import annotations
 from tvm import te
 
 from blockpad.errors import SpecError
+from blockpad.vocabulary import QUANTIZED_DTYPES
 
 from . import postops, quant
 from .common import OpDef, Source, materialize, plan_for
@@ -51,7 +52,7 @@ def make(layouts, name, policy, n=None, post_ops=(), **attrs):
     def opdef(mode):
         a, b = Source("src", src, mode, bits), Source("weights", wei, mode, bits)
         comp = quant.matmul_compensation(b, dst, k_red) if attrs["src_zero_point"] else None
-        requant = quant.Requant(attrs, dst.dtype, comp) if src.dtype in quant.INTEGER else None
+        requant = quant.Requant(attrs, dst.dtype, comp) if src.dtype in QUANTIZED_DTYPES else None
         post = postops.Chain(post_ops, layouts, mode, requant)
         rk = te.reduce_axis((0, k_red), "rk")
 

@@ -65,6 +65,7 @@ from blockpad.vocabulary import (
     POST_OP_DEFAULTS,
     POST_OP_TENSORS,
     QUANTIZED_ADD,
+    QUANTIZED_DTYPES,
     post_op_tensors,
 )
 
@@ -72,7 +73,6 @@ from . import eltwise, quant, quantize
 from .common import Source, dtype_of, nan_max, nan_min
 from .quant import BF16
 
-INTEGER = quant.INTEGER
 # floating sources and their accumulators; bfloat16 would need the bit storage (uint16 buffers)
 # that reorders use, in compute ops, which no op has yet
 ACCUMULATOR = {"float32": "float32", "float64": "float64", "float16": "float32"}
@@ -89,12 +89,12 @@ BINARY = {"add": lambda v, b: v + b, "mul": lambda v, b: v * b, "max": nan_max, 
 
 def types(dtype: str) -> tuple:
     """``(weights, accumulator, destination)`` element types for a source of ``dtype``."""
-    if dtype in INTEGER:
+    if dtype in QUANTIZED_DTYPES:
         return "int8", "int32", "float32"
     if dtype == BF16:
         return BF16, "float32", "float32"
     if dtype not in ACCUMULATOR:
-        raise SpecError(f"dtype: expected one of {', '.join([*ACCUMULATOR, BF16, *INTEGER])} "
+        raise SpecError(f"dtype: expected one of {', '.join([*ACCUMULATOR, BF16, *QUANTIZED_DTYPES])} "
                         f"(the source's); got {dtype!r}")
     return dtype, ACCUMULATOR[dtype], dtype
 
@@ -163,7 +163,7 @@ def _check_entry(i: int, p: dict) -> None:
                                       not isinstance(z, bool) and -128 <= z <= 255),
                "three integers in -128..255 (value, addend, result)")
         expect("addend_first", isinstance(p["addend_first"], bool), "true or false")
-        expect("dt", p["dt"] in (None, *INTEGER), f"one of {', '.join(INTEGER)} (or left out: "
+        expect("dt", p["dt"] in (None, *QUANTIZED_DTYPES), f"one of {', '.join(QUANTIZED_DTYPES)} (or left out: "
                f"the destination's)")
         p["scales"] = [float(s) for s in p["scales"]]
         p["zero_points"] = [int(z) for z in p["zero_points"]]
@@ -185,9 +185,9 @@ def tensors(post_ops, dst_shape, channels: int, src_dtype: str, params=None) -> 
     natural = types(src_dtype)[2]
     dst = quant.dst_dtype(src_dtype, params, natural)
     out = {"scale": (quant.scale_shape(params, channels), "float32")} \
-        if src_dtype in INTEGER else {}
+        if src_dtype in QUANTIZED_DTYPES else {}
     shapes = {"tensor": (1,), "channel": (channels,), "full": tuple(dst_shape)}
-    if any(p["kind"] == QUANTIZED_ADD for p in chain) and dst not in INTEGER:
+    if any(p["kind"] == QUANTIZED_ADD for p in chain) and dst not in QUANTIZED_DTYPES:
         raise SpecError(f"{QUANTIZED_ADD} post-op: it sums two quantized 8-bit values, so the "
                         f"kernel needs a uint8/int8 source and a dst_dtype of uint8 or int8; got "
                         f"a {src_dtype} source with a {dst} destination")

@@ -55,11 +55,18 @@ import numpy as np
 from tvm import te, tirx
 
 from blockpad.errors import SpecError
-from blockpad.vocabulary import QUANT_DEFAULTS, QUANT_DST_DTYPES, SCALES, WEIGHT_BITS, WEIGHT_SUMS, ZP_COMP
+from blockpad.vocabulary import (
+    QUANT_DEFAULTS,
+    QUANT_DST_DTYPES,
+    QUANTIZED_DTYPES,
+    SCALES,
+    WEIGHT_BITS,
+    WEIGHT_SUMS,
+    ZP_COMP,
+)
 
 from .common import round_clamped, round_clamped_float
 
-INTEGER = ("int8", "uint8")
 BF16 = "bfloat16"   # in kernel arguments as its uint16 bits: numpy and DLPack have no bf16
 BF16_DST_DTYPES = ("float32", BF16)   # a bf16 kernel's destination types
 PARAMS = dict(QUANT_DEFAULTS)
@@ -81,7 +88,7 @@ def check(src_dtype: str, params: dict, taps: int | None = None) -> dict:
     if src_dtype == BF16:   # its destination's type only: float32 or bfloat16
         dst_dtype(src_dtype, q)
         given = [k for k in given if k != "dst_dtype"]
-    if src_dtype not in INTEGER:
+    if src_dtype not in QUANTIZED_DTYPES:
         if given:
             raise SpecError(f"{', '.join(given)}: quantization attributes need a uint8 or int8 "
                             f"source; got {src_dtype}")
@@ -131,7 +138,7 @@ def dst_dtype(src_dtype: str, params: dict, natural: str = "float32") -> str:
             raise SpecError(f"dst_dtype: a bfloat16 kernel writes one of "
                             f"{', '.join(BF16_DST_DTYPES)}; got {want!r}")
         return want
-    if src_dtype not in INTEGER:
+    if src_dtype not in QUANTIZED_DTYPES:
         return natural
     if want is not None and want not in QUANT_DST_DTYPES:
         raise SpecError(f"dst_dtype: expected one of {', '.join(QUANT_DST_DTYPES)}; got "
@@ -152,7 +159,7 @@ def bias_dtype(post_ops: list, src_dtype: str, natural: str) -> str:
         if p["kind"] != "bias" or "dtype" not in p:
             continue
         want = p["dtype"]
-        if src_dtype not in INTEGER or want not in BIAS_DTYPES:
+        if src_dtype not in QUANTIZED_DTYPES or want not in BIAS_DTYPES:
             raise SpecError(f"post_ops[{i}] (bias): dtype {want!r} needs a uint8 or int8 "
                             f"source and one of {', '.join(BIAS_DTYPES)}; got a {src_dtype} "
                             f"source")

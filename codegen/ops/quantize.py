@@ -18,19 +18,20 @@ from tvm.tirx.op import fma
 
 from blockpad import qlinear
 from blockpad.errors import SpecError
+from blockpad.vocabulary import QUANTIZED_DTYPES
 
 from .common import OpDef, Source, materialize, plan_for, round_clamped
+from .quant import RANGE
 
-INTEGER = {"uint8": (0, 255), "int8": (-128, 127)}
 QUANTIZE_PARAMS = {"scale": 1.0, "zero_point": 0, "dst_dtype": "uint8"}
 DEQUANTIZE_PARAMS = {"scale": 1.0, "zero_point": 0}
 
 
 def _check(op, scale, zero_point, dtype):
-    if dtype not in INTEGER:
-        raise SpecError(f"{op}: the quantized type must be one of {', '.join(INTEGER)}; got "
+    if dtype not in QUANTIZED_DTYPES:
+        raise SpecError(f"{op}: the quantized type must be one of {', '.join(QUANTIZED_DTYPES)}; got "
                         f"{dtype!r}")
-    lo, hi = INTEGER[dtype]
+    lo, hi = RANGE[dtype]
     if not isinstance(zero_point, (int, np.integer)) or not lo <= zero_point <= hi:
         raise SpecError(f"{op}: zero_point must be an integer in {lo}..{hi}; got "
                         f"{zero_point!r}")
@@ -59,7 +60,7 @@ def _f32(v):
 def make_quantize(layouts, name, policy, scale=1.0, zero_point=0, dst_dtype="uint8"):
     src, dst = layouts["src"], layouts["dst"]
     _check("quantize", scale, zero_point, dst.dtype)
-    lo, hi = INTEGER[dst.dtype]
+    lo, hi = RANGE[dst.dtype]
 
     def opdef(mode):
         x = Source("src", src, mode)
@@ -106,7 +107,7 @@ def add(a, b, scales, zero_points, dtype):
     that holds it): two fused multiply-adds in float32, each rounded once, then round
     half to even and saturate (ONNX Runtime's AVX2 QLinearAdd)."""
     r0, r1, fixed = add_params(scales, zero_points)
-    lo, hi = INTEGER[dtype]
+    lo, hi = RANGE[dtype]
     t = fma(b.astype("float32"), _f32(r1), _f32(fixed))
     v = fma(a.astype("float32"), _f32(r0), t)
     return round_clamped(v, float(lo), float(hi)).astype(dtype)

@@ -27,6 +27,7 @@ from blockpad.vocabulary import (
     POST_OP_TENSORS,
     QUANT_DEFAULTS,
     QUANTIZED_ADD,
+    QUANTIZED_DTYPES,
     post_op_tensors,
     with_defaults,
 )
@@ -350,7 +351,7 @@ class Graph:
         """The quantization attributes of an integer ``op`` (``attrs``, the kernels' names),
         or None for a floating-point one; an int32 ``bias`` marks its chain entry, which must be
         first (it is added to the int32 accumulator). The graph op checks the types."""
-        integer = self._types[self._var(x)][1] in ("uint8", "int8")
+        integer = self._types[self._var(x)][1] in QUANTIZED_DTYPES
         given = [k for k, v in attrs.items() if v != QUANT_DEFAULTS[k]]
         if not integer:
             if scale is not None or given:

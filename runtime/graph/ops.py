@@ -23,6 +23,7 @@ from blockpad.vocabulary import (
     POST_OP_TENSORS,
     QUANT_DEFAULTS,
     QUANTIZED_ADD,
+    QUANTIZED_DTYPES,
     post_op_tensors,
     with_defaults,
 )
@@ -254,7 +255,7 @@ class Quantize(_Convert):
     name = "quantize"
 
     def out_dtype(self, node, dtype):
-        if dtype != "float32" or node.attrs["dtype"] not in ("uint8", "int8"):
+        if dtype != "float32" or node.attrs["dtype"] not in QUANTIZED_DTYPES:
             raise ArgumentError(f"{node.name}: quantize takes float32 to uint8 or int8; got "
                                 f"{dtype} to {node.attrs['dtype']}")
         return node.attrs["dtype"]
@@ -268,7 +269,7 @@ class Dequantize(_Convert):
     name = "dequantize"
 
     def out_dtype(self, node, dtype):
-        if dtype not in ("uint8", "int8"):
+        if dtype not in QUANTIZED_DTYPES:
             raise ArgumentError(f"{node.name}: dequantize takes uint8 or int8; got {dtype}")
         return "float32"
 
@@ -393,7 +394,7 @@ def quant_types(node, types, channels) -> str:
     channel, (1,) per tensor); the destination's dtype."""
     q = node.attrs["quant"]
     (_, dt), (_, wdt), (sshape, sdt) = types[:3]
-    if dt not in ("uint8", "int8") or wdt != "int8":
+    if dt not in QUANTIZED_DTYPES or wdt != "int8":
         raise ArgumentError(f"{node.name}: quantization attributes need a uint8/int8 source and "
                             f"int8 weights; got {dt} and {wdt}")
     want = (channels,) if q.get("scales", "channel") == "channel" else (1,)

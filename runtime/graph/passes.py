@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from blockpad.layout import pad_sides
-from blockpad.vocabulary import QUANTIZED_ADD, with_defaults
+from blockpad.vocabulary import QUANTIZED_ADD, QUANTIZED_DTYPES, with_defaults
 
 #: what ``Graph(fuse=...)`` may fuse: a convolution's eltwise reader and residual add (oneDNN's
 #: post-ops, ``fuse_post_ops``), and whole inverted residuals (``fuse_inverted_residuals``)
 FUSIONS = ("eltwise", "sum", "inverted_residual")
-QUANTIZED = ("uint8", "int8")   # the types of quantized values
 INVERTED_RESIDUAL = FUSIONS[2]
 
 
@@ -245,7 +244,7 @@ def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
             if n.op != "conv2d" or len(n.outputs) != 1 or n.outputs[0] in protected:
                 continue
             out = n.outputs[0]
-            integer = dtype_of(out) in QUANTIZED
+            integer = dtype_of(out) in QUANTIZED_DTYPES
             if integer and not n.attrs.get("quant"):
                 continue
             rs = readers(nodes, i, out)
@@ -260,7 +259,7 @@ def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
                 other = r.inputs[1 - r.inputs.index(out)] if len(r.inputs) == 2 else None
                 if not (r.op == "binary" and "scales" in r.attrs and "sum" in kinds
                         and same_shape(r) and dtype_of(r.outputs[0]) == dtype_of(out)
-                        and dtype_of(other) in QUANTIZED and _definition(nodes, j, other) < i
+                        and dtype_of(other) in QUANTIZED_DTYPES and _definition(nodes, j, other) < i
                         and not any(p["kind"] == QUANTIZED_ADD for p in chain)):
                     continue
                 first = r.inputs.index(out) == 0   # the fmas round in QLinearAdd's order
