@@ -147,11 +147,11 @@ class WeightCache:
         """Re-reorder prepared weights whose constant changed (checked, or ``set``)."""
         with self._lock:
             stale = set(self._stale)
-            if self.mode == "check":
-                for name, src in self.arrays.items():
-                    kept = self._kept.get(name)   # None for owned and prepacked ones
-                    if kept is not None and not np.array_equal(_raw(src), kept):
-                        stale.add(name)
+            if self.mode == "check":   # kept copies: the constants nobody vouched for
+                stale.update(name for name, kept in self._kept.items()
+                             if not np.array_equal(_raw(self.arrays[name]), kept))
+            if not stale:   # a loaded model (all owned or prepacked): nothing to walk per run
+                return
             for (name, _lay), mem in self._prepared.items():
                 if name in stale:
                     self._reorder(name, mem, report)
