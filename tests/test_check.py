@@ -19,7 +19,7 @@ from blockpad.check import driver, execute, generate, replay, shrink
 from blockpad.cli import main
 from blockpad.codegen.spec import parse_spec
 from blockpad.testing import qemu
-from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS
+from blockpad.vocabulary import BINARY_OPERANDS, BINARY_POST_OPS, QUANTIZED_ADD
 
 SAMPLE_SEED = 16
 SAMPLE_CASES = 16
@@ -67,7 +67,10 @@ def test_every_drawn_case_is_a_valid_spec(target):
     assert {e["policy"] for e in entries if "policy" in e} == set(generate.POLICIES)
     assert any(e.get("inplace") for e in entries)
     chains = [e.get("post_ops", []) for e in entries]
-    assert {p["kind"] for c in chains for p in c} == {"bias", "eltwise", "sum", "binary"}
+    assert {p["kind"] for c in chains for p in c} == \
+        {"bias", "eltwise", "sum", "binary", QUANTIZED_ADD}
+    assert all(c[-1]["kind"] == QUANTIZED_ADD for c in chains
+               if any(p["kind"] == QUANTIZED_ADD for p in c))
     binaries = [p for c in chains for p in c if p["kind"] == "binary"]
     assert {p["algorithm"] for p in binaries} == set(BINARY_POST_OPS)
     assert {p["operand"] for p in binaries} == set(BINARY_OPERANDS)

@@ -38,6 +38,7 @@ from blockpad.vocabulary import (
     BINARY_POST_OPS,
     KERNEL_ZEROS,
     POLICIES,
+    QUANTIZED_ADD,
     QUANTIZED_DTYPES,
     post_op_tensors,
 )
@@ -404,7 +405,27 @@ def _quant(rng, entry):
     if bias and rng.random() < 0.5:
         entry["post_ops"] = [{"kind": "bias", "dtype": "int32"},
                              *(p for p in chain if p["kind"] != "bias")]
+    if dst in QUANTIZED_DTYPES and rng.random() < 0.5:   # last in the chain by design
+        entry["post_ops"].append(_quantized_add(rng, dst, entry["dst_zero_point"]))
+        entry["addend"] = entry["dst"]   # laid out like dst, as a sum's tensor
     return entry
+
+
+def _quantized_add(rng, dst, value_zero_point):
+    """A quantized model's residual add after the destination's rounding: an addend of either
+    8-bit type, zero points inside each operand's type (the value's is the destination's, as
+    a graph fuses it), scales of the size a quantized network has (the two operands' sum of
+    order one lands inside the result's range, the larger ones saturate), either operand
+    order."""
+    addend = str(rng.choice(QUANTIZED_DTYPES))
+
+    def zero_point(t):
+        lo, hi = (0, 255) if t == "uint8" else (-128, 127)
+        return int(rng.integers(lo, hi + 1))
+    return {"kind": QUANTIZED_ADD,
+            "scales": [float(rng.choice([0.01, 0.02, 0.05, 0.1])) for _ in range(3)],
+            "zero_points": [value_zero_point, zero_point(addend), zero_point(dst)],
+            "addend_first": bool(rng.random() < 0.5), "dt": addend}
 
 
 def _matmul(rng, prof):
