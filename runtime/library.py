@@ -18,7 +18,7 @@ from blockpad.vocabulary import KERNEL_ZEROS, SEVEN_BIT_RANGE
 
 from . import padding
 from .loadable import check_loadable
-from .memory import Memory, aligned_empty
+from .memory import CLEAN, Memory, aligned_empty
 from .tvm_runtime import load_module
 
 
@@ -273,6 +273,29 @@ class BoundCall:
 
     def __call__(self):
         self.kernel._run(self.mems, self._current_tensors)
+
+    def trusted(self):
+        """This call for a caller that keeps the padding contract by construction, as a graph
+        under a policy whose kernels zero their destinations' padding keeps it (every source
+        clean: its producer wrote it so, or the run zero-padded it first, and no stream work
+        pending): the kernel on the current arguments, its destinations marked clean, without
+        the per-call waits, state checks and contract lookups. Those cost ~4 us a call with
+        the interpreter's data out of cache after each kernel: int8 MobileNetV2, 58 calls,
+        4.81 -> 4.56 ms a run at 1 thread. A kernel whose contract is anything else (a
+        destination stage, padding preserved or inherited) or that has a sub-memory among
+        its arguments keeps the checked call (``self``)."""
+        sig = self.kernel.signature
+        produces = sig.padding["produces"] if sig.padding else CLEAN
+        if sig.stage or produces != CLEAN or any(m.parent is not None for m in self.mems):
+            return self
+        func, tensors = self.kernel._func, self._current_tensors
+        written = [self.mems[i] for i in sig.written]
+
+        def call():
+            func(*tensors())
+            for m in written:
+                m.state = CLEAN
+        return call
 
     def __repr__(self):
         return f"<bound {self.kernel!r}>"

@@ -17,8 +17,9 @@ import blockpad as bp
 from blockpad.runtime import counters
 from blockpad.runtime.cache import KernelCache
 from blockpad.runtime.graph.passes import Node, inplace_pass
+from blockpad.runtime.library import BoundCall
 from blockpad.runtime.memory import SubMemoryError
-from blockpad.vocabulary import POLICIES
+from blockpad.vocabulary import KERNEL_ZEROS, POLICIES
 
 from .conftest import run_in_threads
 from .reference import conv_reference, softmax
@@ -246,6 +247,14 @@ def test_conv_block_every_policy_matches_numpy(cache, policy, rng):
     assert res["eltwise_1"].layout.tag == "nChw16c"      # blocked until read
     assert res.report.weight_reorders == 0               # done once, in the first run
     assert res.report.fallbacks == {}
+    # kernels that zero their destinations' padding keep every source clean, so the run calls
+    # them without per-call checks (BoundCall.trusted); other policies check every call
+    with g.runner(x=xv).arena() as exe:
+        checked = sum(isinstance(c, BoundCall) for c in exe.calls)
+    kernels = [s.kernel.signature for s in plan.steps if s.kernel is not None]
+    staged = sum(bool(sig.stage) for sig in kernels)    # a destination stage to run after
+    assert checked == (staged if policy in KERNEL_ZEROS else len(kernels))
+    assert (staged > 0) == (policy == "dst_stage")
 
 
 def test_tracked_skips_zero_pads_a_clean_producer_made_unnecessary(cache, rng):
