@@ -94,8 +94,8 @@ def types(dtype: str) -> tuple:
     if dtype == BF16:
         return BF16, "float32", "float32"
     if dtype not in ACCUMULATOR:
-        raise SpecError(f"dtype: expected one of {', '.join([*ACCUMULATOR, BF16, *QUANTIZED_DTYPES])} "
-                        f"(the source's); got {dtype!r}")
+        known = ", ".join([*ACCUMULATOR, BF16, *QUANTIZED_DTYPES])
+        raise SpecError(f"dtype: expected one of {known} (the source's); got {dtype!r}")
     return dtype, ACCUMULATOR[dtype], dtype
 
 
@@ -163,8 +163,8 @@ def _check_entry(i: int, p: dict) -> None:
                                       not isinstance(z, bool) and -128 <= z <= 255),
                "three integers in -128..255 (value, addend, result)")
         expect("addend_first", isinstance(p["addend_first"], bool), "true or false")
-        expect("dt", p["dt"] in (None, *QUANTIZED_DTYPES), f"one of {', '.join(QUANTIZED_DTYPES)} (or left out: "
-               f"the destination's)")
+        expect("dt", p["dt"] in (None, *QUANTIZED_DTYPES),
+               f"one of {', '.join(QUANTIZED_DTYPES)} (or left out: the destination's)")
         p["scales"] = [float(s) for s in p["scales"]]
         p["zero_points"] = [int(z) for z in p["zero_points"]]
 
