@@ -387,7 +387,7 @@ def _quant(rng, entry):
     chain by design (it is added to the accumulator)."""
     if entry["dtype"] not in QUANTIZED_DTYPES or rng.random() < 0.25:
         return entry
-    lo, hi = (0, 255) if entry["dtype"] == "uint8" else (-128, 127)
+    lo, hi = np.iinfo(entry["dtype"]).min, np.iinfo(entry["dtype"]).max
     dst = str(rng.choice(["float32", "int32", "int8", "uint8"]))
     zlo, zhi = {"int8": (-20, 20), "uint8": (0, 255)}.get(dst, (-1000, 1000))
     if rng.random() < 0.5:   # weights in [-64, 64]: x86 takes one vpmaddubsw a step
@@ -420,8 +420,7 @@ def _quantized_add(rng, dst, value_zero_point):
     addend = str(rng.choice(QUANTIZED_DTYPES))
 
     def zero_point(t):
-        lo, hi = (0, 255) if t == "uint8" else (-128, 127)
-        return int(rng.integers(lo, hi + 1))
+        return int(rng.integers(np.iinfo(t).min, np.iinfo(t).max + 1))
     return {"kind": QUANTIZED_ADD,
             "scales": [float(rng.choice([0.01, 0.02, 0.05, 0.1])) for _ in range(3)],
             "zero_points": [value_zero_point, zero_point(addend), zero_point(dst)],

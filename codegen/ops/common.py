@@ -277,8 +277,8 @@ def round_clamped_float(v, lo: float, hi: float, offset: int = 0):
                          f"in [{lo}, {hi}] + {offset}")
     magic = _ROUNDING_MAGIC["float32"][0]
     x = tirx.min(tirx.max(v, tirx.const(lo, "float32")), tirx.const(hi, "float32"))
-    shifted = tirx.reinterpret("float32", tirx.reinterpret("int32", x + tirx.const(magic, "float32")))
-    return shifted - tirx.const(magic - offset, "float32")
+    bits = tirx.reinterpret("int32", x + tirx.const(magic, "float32"))
+    return tirx.reinterpret("float32", bits) - tirx.const(magic - offset, "float32")
 
 
 def round_clamped(v, lo: float, hi: float):

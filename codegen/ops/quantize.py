@@ -29,8 +29,8 @@ DEQUANTIZE_PARAMS = {"scale": 1.0, "zero_point": 0}
 
 def _check(op, scale, zero_point, dtype):
     if dtype not in QUANTIZED_DTYPES:
-        raise SpecError(f"{op}: the quantized type must be one of {', '.join(QUANTIZED_DTYPES)}; got "
-                        f"{dtype!r}")
+        raise SpecError(f"{op}: the quantized type must be one of "
+                        f"{', '.join(QUANTIZED_DTYPES)}; got {dtype!r}")
     lo, hi = RANGE[dtype]
     if not isinstance(zero_point, (int, np.integer)) or not lo <= zero_point <= hi:
         raise SpecError(f"{op}: zero_point must be an integer in {lo}..{hi}; got "
