@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .numpy_conv import direct_conv
+from .vocabulary import qlinear_order
 
 F32 = np.float32
 INT_RANGE = {"uint8": (0, 255), "int8": (-128, 127), "int32": (-2 ** 31, 2 ** 31 - 1)}
@@ -126,7 +127,7 @@ def add_in_order(value, addend, scales, zero_points, addend_first, dtype) -> np.
     """A ``quantized_add`` post-op's sum: QLinearAdd of ``value`` and ``addend`` with
     ``scales`` and ``zero_points`` given as [value, addend, result]'s, ``addend`` QLinearAdd's
     first operand if ``addend_first`` (the fmas round in operand order)."""
-    (sv, sa, sr), (zv, za, zr) = scales, zero_points
-    if addend_first:
-        return add(addend, value, add_params(sa, za, sv, zv, sr, zr), dtype)
-    return add(value, addend, add_params(sv, zv, sa, za, sr, zr), dtype)
+    order = qlinear_order(addend_first)
+    (s0, s1, sr), (z0, z1, zr) = ([v[k] for k in order] for v in (scales, zero_points))
+    first, second = (addend, value) if addend_first else (value, addend)
+    return add(first, second, add_params(s0, z0, s1, z1, sr, zr), dtype)

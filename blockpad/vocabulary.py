@@ -117,6 +117,22 @@ def with_defaults(post_op) -> dict:
     return {**POST_OP_DEFAULTS.get(post_op.get("kind"), {}), **post_op}
 
 
+def quantized_add_entry(post_op) -> dict:
+    """A ``quantized_add`` post-op with its defaults and its parameters as plain floats and
+    ints in lists: every spelling of one chain (tuples, numpy scalars) builds and caches as
+    one kernel."""
+    p = with_defaults({**post_op, "kind": QUANTIZED_ADD})
+    return {**p, "scales": [float(v) for v in p["scales"]],
+            "zero_points": [int(v) for v in p["zero_points"]]}
+
+
+def qlinear_order(addend_first: bool) -> tuple:
+    """The permutation between a ``quantized_add`` entry's [value, addend, result] parameters
+    and QLinearAdd's [first operand, second operand, result]: the addend is QLinearAdd's
+    first operand if ``addend_first`` (its fmas round in operand order). Its own inverse."""
+    return (1, 0, 2) if addend_first else (0, 1, 2)
+
+
 def post_op_tensors(chain) -> list:
     """The tensor argument each entry of a post-op chain reads, in chain order (None for an
     eltwise): ``bias``; ``sum``, ``sum_1``, ``sum_2``, ... (the first sum keeps the name a

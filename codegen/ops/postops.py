@@ -67,6 +67,8 @@ from blockpad.vocabulary import (
     QUANTIZED_ADD,
     QUANTIZED_DTYPES,
     post_op_tensors,
+    qlinear_order,
+    quantized_add_entry,
 )
 
 from . import eltwise, quant, quantize
@@ -165,8 +167,7 @@ def _check_entry(i: int, p: dict) -> None:
         expect("addend_first", isinstance(p["addend_first"], bool), "true or false")
         expect("dt", p["dt"] in (None, *QUANTIZED_DTYPES),
                f"one of {', '.join(QUANTIZED_DTYPES)} (or left out: the destination's)")
-        p["scales"] = [float(s) for s in p["scales"]]
-        p["zero_points"] = [int(z) for z in p["zero_points"]]
+        p.update(quantized_add_entry(p))
 
 
 def _triple(v, ok) -> bool:
@@ -277,8 +278,8 @@ class Chain:
             return self.requant.finish(v)
         q = self.requant.finish(v, as_float=True)   # the add reads it as float32
         a = self.sources[self.names[-1]](*idx)
-        # [value, addend, result]'s parameters, in QLinearAdd's operand order
-        pair, order = ((a, q), (1, 0, 2)) if last["addend_first"] else ((q, a), (0, 1, 2))
+        order = qlinear_order(last["addend_first"])
+        pair = (a, q) if last["addend_first"] else (q, a)
         return quantize.add(*pair, [last["scales"][k] for k in order],
                             [last["zero_points"][k] for k in order], self.requant.dst)
 

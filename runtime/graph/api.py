@@ -29,6 +29,7 @@ from blockpad.vocabulary import (
     QUANTIZED_ADD,
     QUANTIZED_DTYPES,
     post_op_tensors,
+    quantized_add_entry,
     with_defaults,
 )
 
@@ -674,9 +675,7 @@ def _post_op(p):
         if operand is None:
             raise ArgumentError(f"post-op {p!r}: a quantized add needs its 8-bit tensor "
                                 f"(\"operand\": a result-shaped Tensor)")
-        q = with_defaults(p)
-        p = {**q, "scales": [float(v) for v in q["scales"]],
-             "zero_points": [int(v) for v in q["zero_points"]]}
+        p = quantized_add_entry(p)
     if p["kind"] == "binary":
         if operand is None:
             raise ArgumentError(f"post-op {p!r}: a binary post-op needs its second tensor "

@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from blockpad.layout import pad_sides
-from blockpad.vocabulary import QUANTIZED_ADD, QUANTIZED_DTYPES, with_defaults
+from blockpad.vocabulary import (
+    QUANTIZED_ADD,
+    QUANTIZED_DTYPES,
+    qlinear_order,
+    quantized_add_entry,
+    with_defaults,
+)
 
 #: what ``Graph(fuse=...)`` may fuse: a convolution's eltwise reader and residual add (oneDNN's
 #: post-ops, ``fuse_post_ops``), and whole inverted residuals (``fuse_inverted_residuals``)
@@ -262,12 +268,12 @@ def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
                         and dtype_of(other) in QUANTIZED_DTYPES and _definition(nodes, j, other) < i
                         and not any(p["kind"] == QUANTIZED_ADD for p in chain)):
                     continue
-                first = r.inputs.index(out) == 0   # the fmas round in QLinearAdd's order
-                order = (0, 1, 2) if first else (1, 0, 2)
-                chain.append(with_defaults({
-                    "kind": QUANTIZED_ADD, "addend_first": not first,
-                    "scales": [float(r.attrs["scales"][k]) for k in order],
-                    "zero_points": [int(r.attrs["zero_points"][k]) for k in order],
+                addend_first = r.inputs.index(out) == 1   # QLinearAdd's operand order
+                order = qlinear_order(addend_first)
+                chain.append(quantized_add_entry({
+                    "addend_first": addend_first,
+                    "scales": [r.attrs["scales"][k] for k in order],
+                    "zero_points": [r.attrs["zero_points"][k] for k in order],
                     "dt": None if dtype_of(other) == dtype_of(out) else dtype_of(other)}))
                 inputs = list(n.inputs) + [other]   # the addend: the last post-op tensor
             elif r.op == "eltwise" and "eltwise" in kinds:
