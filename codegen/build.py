@@ -103,6 +103,10 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
 
     log(f"compiling {n} kernels for {target.name} ({target.description}) ...")
     t0 = time.perf_counter()
+    if target.family == "cuda":
+        from . import cuda_aot
+
+        cuda_aot.register_lowerings()
     try:
         lib = tvm.compile(tvm.IRModule(funcs), target=target.tvm_target())
         lib_path = os.path.join(out_dir, mf.LIBRARY)

@@ -35,6 +35,26 @@ from blockpad.errors import BuildError
 FATBIN_MAGIC = b"\x50\xed\x55\xba"
 
 
+@functools.cache
+def register_lowerings() -> None:
+    """Lowerings TVM 0.27 has for LLVM targets only, registered for CUDA C: ``tirx.fma`` (the
+    quantized add's two single-rounding fmas, ONNX Runtime's arithmetic) becomes CUDA's
+    ``__fmaf_rn`` / ``__fma_rn``, which nvcc never splits or reassociates. Without it the
+    CUDA code generator stops at an unresolved ``tirx.fma``.
+
+    With a lowering registered, TVM's ``LowerIntrin`` also contracts a scalar ``a * b + c``
+    into one, as it does on LLVM targets (where nvcc's default ``--fmad=true`` contracted it
+    anyway); a vector one (dlight's matmul, ``float32x2``) gets None, which leaves it a
+    multiply and an add (the CUDA code generator has no vector fma)."""
+    from tvm import tirx
+
+    def fma(call):
+        name = {"float32": "__fmaf_rn", "float64": "__fma_rn"}.get(str(call.ty.dtype))
+        return None if name is None else tirx.call_pure_extern(call.ty, name, *call.args)
+
+    tirx.op.register_intrin_lowering("tirx.fma", target="cuda", f=fma, level=99)
+
+
 def sm(target) -> str:
     """The ``sm_XY`` a cuda target compiles for."""
     return target.tvm["arch"]

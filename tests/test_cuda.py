@@ -576,6 +576,23 @@ OPS = {   # small shapes; channel tails (C = 20, 30), ragged tiles, every paddin
     "grouped_tile_across_groups": {"op": "conv2d", "shape": [1, 24, 3, 9], "channels": 18,
                                    "groups": 3, "kernel": [5, 5], "stride": [1, 3], "pad": [4, 3],
                                    "src": "nhwC8c", "weights": "goIhw8i", "dst": "nchw"},
+    # built nothing before (seed 1818): a one-element shared tile (one channel, one tap a
+    # step) left its copy no loop to bind; the quantized add's fmas had no CUDA lowering
+    "one_tap_conv": {"op": "conv2d", "shape": [2, 1, 9, 1], "channels": 1, "kernel": [1, 3],
+                     "stride": [1, 3], "pad": [0, 2], "dilation": [1, 2], "src": "nChw8c",
+                     "weights": "oihw", "dst": "nChW8w8c"},
+    "qconv_add": {"op": "conv2d", "shape": [2, 3, 5, 5], "dtype": "uint8", "channels": 20,
+                  "kernel": [3, 3], "pad": [1, 1], "src": "nChw16c", "weights": "OIhw4i16o4i",
+                  "dst": "nChw16c", "src_zero_point": 119, "dst_dtype": "int8",
+                  "dst_scale": 0.05, "dst_zero_point": -1, "addend": "nChw16c",
+                  "post_ops": [{"kind": "quantized_add", "scales": [0.1, 0.02, 0.1],
+                                "zero_points": [-1, 25, 96], "addend_first": True,
+                                "dt": "int8"}]},
+    "qmatmul_add": {"op": "matmul", "shape": [14, 27], "dtype": "int8", "n": 13,
+                    "policy": "dst_stage", "src": "aB16b2b", "weights": "aB4b", "dst": "aB16b",
+                    "dst_dtype": "uint8", "dst_scale": 0.05, "addend": "aB16b",
+                    "post_ops": [{"kind": "quantized_add", "scales": [0.01, 0.02, 0.1],
+                                  "zero_points": [0, 52, 125]}]},
     "pool_avg": {"op": "pool", "shape": [2, 30, 8, 8], "algorithm": "avg", "kernel": [3, 3],
                  "stride": [2, 2], "pad": [1, 1], "src": "nChw16c", "dst": "nChw16c"},
     "pool_max_stage": {"op": "pool", "shape": [2, 30, 9, 9], "kernel": [3, 3], "stride": [2, 2],
@@ -666,6 +683,23 @@ def test_what_nvcc_or_tvm_refused_builds(ops_lib):
         indent = min(indent, depth)
     assert loops and not any("T.vectorized(" in loop for loop in loops), loops
     assert 'scope="shared"' not in (out / "source" / "grouped_tile_across_groups.tir.py").read_text()
+
+
+def test_quantized_add_rounds_each_fma_once(ops_lib):
+    """QLinearAdd's two fmas reach the device code as CUDA's ``__fmaf_rn`` (TVM lowers
+    ``tirx.fma`` for LLVM only): a single rounding each, as on the CPU and in ONNX Runtime."""
+    from blockpad.generated import show
+
+    cc, out = ops_lib
+    for name in ("qconv_add", "qmatmul_add"):
+        assert show(out, "cuda", name).count("__fmaf_rn(") >= 2, name
+        assert re.search(r"fma\.rn\.f32", kernel_ptx(out, name)), name
+
+
+def test_a_one_element_tile_is_copied_by_one_thread(ops_lib):
+    cc, out = ops_lib
+    tir = (out / "source" / "one_tap_conv.tir.py").read_text()
+    assert 'scope="shared"' in tir and re.search(r"T\.where\(\w+ \* \d+ \+ \w+ < 1\)", tir)
 
 
 def test_pool_reduces_its_window_in_a_register(ops_lib):
