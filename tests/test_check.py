@@ -440,3 +440,15 @@ def test_build_only_then_run_built_checks_the_same_cases(tmp_path):
     assert f"blockpad check --run-built {tmp_path}" in lines[-1]
     ran = driver.run_built(str(tmp_path), out=str(tmp_path / "failures"), log=lines.append)
     assert ran.counts["ok"] == 3, lines
+
+
+def test_build_only_with_nothing_to_build_leaves_an_empty_plan(tmp_path):
+    """A benchdnn file none of whose problems blockpad states (3-D only, say) builds nothing;
+    its plan says so instead of the folder missing (a traceback, before)."""
+    problems = tmp_path / "only_3d"
+    problems.write_text("--dt=u8:s8:u8 mb1ic4id5ih5iw5oc4od5oh5ow5kd1kh1kw1\n")
+    work = tmp_path / "work"
+    driver.check("host", benchdnn=str(problems), work=str(work), build_only=True,
+                 log=lambda m: None)
+    ran = driver.run_built(str(work), out=str(tmp_path / "failures"), log=lambda m: None)
+    assert ran.checked == 0

@@ -122,6 +122,7 @@ PLAN = "check-plan.json"   # what --build-only leaves for --run-built, beside th
 
 
 def _write_plan(run, plan):
+    os.makedirs(run.scratch, exist_ok=True)   # no batch made it: nothing to build
     with open(os.path.join(run.scratch, PLAN), "w") as f:
         json.dump({"target": run.target, "seed": run.seed, "ops": list(run.ops),
                    "spec": run.spec, "spec_flag": run.flag, "libraries": plan}, f)
