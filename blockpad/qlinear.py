@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .numpy_conv import direct_conv
-from .vocabulary import qlinear_order
+from .vocabulary import qlinear_operands
 
 F32 = np.float32
 INT_RANGE = {"uint8": (0, 255), "int8": (-128, 127), "int32": (-2 ** 31, 2 ** 31 - 1)}
@@ -123,11 +123,8 @@ def add(a, b, params, dtype) -> np.ndarray:
     return saturate(np.rint(v).astype(np.int64), dtype)
 
 
-def add_in_order(value, addend, scales, zero_points, addend_first, dtype) -> np.ndarray:
-    """A ``quantized_add`` post-op's sum: QLinearAdd of ``value`` and ``addend`` with
-    ``scales`` and ``zero_points`` given as [value, addend, result]'s, ``addend`` QLinearAdd's
-    first operand if ``addend_first`` (the fmas round in operand order)."""
-    order = qlinear_order(addend_first)
-    (s0, s1, sr), (z0, z1, zr) = ([v[k] for k in order] for v in (scales, zero_points))
-    first, second = (addend, value) if addend_first else (value, addend)
+def add_in_order(value, addend, post_op, dtype) -> np.ndarray:
+    """A ``quantized_add`` post-op's sum: QLinearAdd of ``value`` and ``addend`` in the
+    operand order the entry says (the fmas round in operand order)."""
+    (first, second), (s0, s1, sr), (z0, z1, zr) = qlinear_operands(post_op, value, addend)
     return add(first, second, add_params(s0, z0, s1, z1, sr, zr), dtype)

@@ -133,6 +133,15 @@ def qlinear_order(addend_first: bool) -> tuple:
     return (1, 0, 2) if addend_first else (0, 1, 2)
 
 
+def qlinear_operands(post_op, value, addend) -> tuple:
+    """A ``quantized_add`` entry's operation as QLinearAdd states it: ``(first, second)``
+    operands and their [first, second, result] scales and zero points."""
+    p = with_defaults(post_op)
+    order = qlinear_order(p["addend_first"])
+    first, second = ((addend, value) if p["addend_first"] else (value, addend))
+    return (first, second), [p["scales"][k] for k in order], [p["zero_points"][k] for k in order]
+
+
 def post_op_tensors(chain) -> list:
     """The tensor argument each entry of a post-op chain reads, in chain order (None for an
     eltwise): ``bias``; ``sum``, ``sum_1``, ``sum_2``, ... (the first sum keeps the name a

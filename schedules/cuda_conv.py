@@ -286,10 +286,11 @@ def _stage(sch, acc, roles, step, threads):
             # a tile that changes size from block to block (a channel tile across groups:
             # seed 1 case 416): TVM cannot prove the thread split of its copy divides it
             return None
-        # a tile of one element has no loops left (seed 1818 case 77: one channel, one tap
-        # per step): a unit loop, so that one thread copies it
-        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0] if loops else \
-            sch.add_unit_loop(copy)
+        # a tile of one element (seed 1818 case 77: one channel, one tap a step) has no loop
+        # left to bind: a unit loop, so that one thread copies it
+        if not loops:
+            loops = [sch.add_unit_loop(copy)]
+        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
         _, tx = sch.split(fused, [None, threads])
         sch.bind(tx, "threadIdx.x")
     return [sch.get(c).writes[0].source.name for c in copies]

@@ -329,8 +329,7 @@ def quantized_add(entry, t, q, bound):
     lo_q, hi_q = np.iinfo(dtype).min, np.iinfo(dtype).max
 
     def add(v):
-        return qlinear.add_in_order(np.clip(v, lo_q, hi_q), t["addend"], p["scales"],
-                                    p["zero_points"], p.get("addend_first", False), dtype)
+        return qlinear.add_in_order(np.clip(v, lo_q, hi_q), t["addend"], p, dtype)
 
     want = add(q).astype(np.float64)
     lo, hi = add(q - bound), add(q + bound)

@@ -67,7 +67,7 @@ from blockpad.vocabulary import (
     QUANTIZED_ADD,
     QUANTIZED_DTYPES,
     post_op_tensors,
-    qlinear_order,
+    qlinear_operands,
     quantized_add_entry,
 )
 
@@ -278,10 +278,8 @@ class Chain:
             return self.requant.finish(v)
         q = self.requant.finish(v, as_float=True)   # the add reads it as float32
         a = self.sources[self.names[-1]](*idx)
-        order = qlinear_order(last["addend_first"])
-        pair = (a, q) if last["addend_first"] else (q, a)
-        return quantize.add(*pair, [last["scales"][k] for k in order],
-                            [last["zero_points"][k] for k in order], self.requant.dst)
+        pair, scales, zero_points = qlinear_operands(last, q, a)
+        return quantize.add(*pair, scales, zero_points, self.requant.dst)
 
     def _operand(self, p, name, idx, k):
         if p["operand"] == "tensor":

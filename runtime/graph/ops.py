@@ -476,8 +476,7 @@ def quantized_add_ref(node, q, addend):
     last = node.attrs["post_ops"][-1] if node.attrs["post_ops"] else None
     if last is None or last["kind"] != QUANTIZED_ADD:
         return q
-    return qlinear.add_in_order(q, addend, last["scales"], last["zero_points"],
-                                last["addend_first"], q.dtype.name)
+    return qlinear.add_in_order(q, addend, last, q.dtype.name)
 
 
 class Conv2d(OpInfo):
