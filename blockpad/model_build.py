@@ -235,9 +235,9 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
     os.makedirs(out_dir, exist_ok=True)
     build(_spec(g, requests), target, out_dir, force=force, log=log, tuning_logs=tuning_logs)
 
-    from blockpad.runtime.library import load
+    from blockpad.runtime.library import describe
 
-    lib = load(out_dir)
+    lib = describe(out_dir)   # not loaded: the target need not run here
     built = _regraph(g, KernelCache([lib], compiler=None,
                                     cache_dir=os.path.join(out_dir, "no-jit")))
     plan = built.plan(**rm.input_layouts(built))

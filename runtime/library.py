@@ -321,7 +321,8 @@ class Library:
         if name not in self.kernels:
             raise KeyError(f"{name!r}: this library has kernels {', '.join(sorted(self.kernels))}")
         if name not in self._cache:
-            self._cache[name] = Kernel(self.kernels[name], self._module[name], self)
+            func = _unloaded(self, name) if self._module is None else self._module[name]
+            self._cache[name] = Kernel(self.kernels[name], func, self)
         return self._cache[name]
 
     def inplace_form(self, sig: Signature, source: int):
@@ -374,6 +375,21 @@ def load(path) -> Library:
     except Exception as e:  # noqa: BLE001 - the loader's own error type is an FFI detail
         raise LoadError(f"{lib_path}: TVM could not load it: {e}") from e
     return Library(path, manifest, module)
+
+
+def describe(path) -> Library:
+    """A built library as its manifest states it, its code not loaded: what the model build
+    plans over, so that a model builds for a target this machine cannot run (another ISA,
+    another architecture, a GPU). Its kernels refuse to run."""
+    path = os.fspath(path)
+    return Library(path, mf.read(path), None)
+
+
+def _unloaded(library: Library, name: str):
+    def refuse(*_):
+        raise LoadError(f"{library.path}: kernel {name} was described, not loaded (target "
+                        f"{library.target!r}); load the library with blockpad.load to run it")
+    return refuse
 
 
 def _as_memory(value, kernel, name, role, layout: Layout, storage,

@@ -18,8 +18,10 @@ import pytest
 
 import blockpad as bp
 from blockpad.model_build import build_model
+from blockpad.runtime.library import describe
 from blockpad.runtime.model import MODEL, WEIGHTS
 
+from .conftest import needs_cross_compiler
 from .reference import conv_reference, softmax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,6 +175,21 @@ def test_model_refuses_bad_inputs_and_damaged_folders(built, tmp_path):
     shutil.copy(out / MODEL, bad / MODEL)
     with pytest.raises(bp.LoadError, match=rf"expected {len(raw)} bytes of weights"):
         bp.load(bad)
+
+
+@needs_cross_compiler("neon")
+def test_a_model_builds_for_a_machine_it_cannot_run_on(tmp_path):
+    """Ahead of time means for another machine: the build checks its plan over the library's
+    manifest, never loading code this CPU cannot run (an Arm library here); loading it here
+    then fails, naming the architecture."""
+    out = tmp_path / "arm"
+    build_model(small_graph(_weights()), "neon", out, log=lambda m: None)
+    doc = json.loads((out / MODEL).read_text())
+    assert doc["target"] == "neon" and [line.split()[0] for line in doc["plan"]][1:] == \
+        ["c1", "c2", "c3", "probs"]
+    with pytest.raises(bp.LoadError, match="library is for aarch64"):
+        bp.load(out)
+    assert describe(out).target == "neon"   # the manifest the plan was checked over
 
 
 def test_prepacked_constant_is_never_read_in_another_layout():

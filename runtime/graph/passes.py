@@ -243,10 +243,11 @@ def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
     nodes = copy.deepcopy(list(nodes))
     protected = set(protected)
     fused = []
-    changed = True
-    while changed:
-        changed = False
-        for i, n in enumerate(nodes):
+    start = 0   # a fusion at i leaves the ops before i as they were: none of them fuses anew
+    while start is not None:
+        begin, start = start, None
+        for i in range(begin, len(nodes)):
+            n = nodes[i]
             if n.op != "conv2d" or len(n.outputs) != 1 or n.outputs[0] in protected:
                 continue
             out = n.outputs[0]
@@ -304,7 +305,7 @@ def fuse_post_ops(nodes, protected=(), same_shape=lambda node: True,
             fused.append((n.name, r.name))
             nodes[at] = n
             del nodes[j if at == i else i]
-            changed = True
+            start = i
             break
     return nodes, fused
 
