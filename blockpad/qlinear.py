@@ -14,7 +14,8 @@ even (x86's default ``cvtps2dq`` and ``nearbyintf``), saturation is to the eleme
   ``m = (x_scale * w_scale) / y_scale`` (``conv_multiplier``); global average pooling is the
   same with ``acc = sum(q) - zp * n`` and ``m = x_scale / (y_scale * float(n))``.
 * ``add`` (QLinearAdd, AVX2 kernel): ``r_a = s_a / s_c``, ``r_b = s_b / s_c``,
-  ``f = float(z_c) - (r_a * z_a + r_b * z_b)``, then per element
+  ``f = float(z_c) - fma(r_a, z_a, r_b * z_b)`` (C++'s ``r_a * z_a + r_b * z_b``,
+  contracted by the compiler), then per element
   ``q = sat(round(fma(a, r_a, fma(b, r_b, f))))``: two fused multiply-adds, one rounding each.
 """
 
@@ -103,7 +104,10 @@ def matmul_acc(x, x_zero_point, w, bias=None) -> np.ndarray:
 def add_params(a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point) -> tuple:
     """``(r_a, r_b, f)`` of QLinearAdd, float32, computed as ONNX Runtime does."""
     r_a, r_b = F32(a_scale) / F32(c_scale), F32(b_scale) / F32(c_scale)
-    fixed = F32(c_zero_point) - (r_a * F32(a_zero_point) + r_b * F32(b_zero_point))
+    # ``r_a * z_a + r_b * z_b`` in C++, which the compiler contracts: the first product is
+    # fused into the sum, the second rounded (an element of MobileNetV2 lands on x.5 or
+    # x.5 - 1 ulp by this last bit; tests/test_qlinear.py)
+    fixed = F32(c_zero_point) - fma(r_a, F32(a_zero_point), r_b * F32(b_zero_point))
     return r_a, r_b, F32(fixed)
 
 

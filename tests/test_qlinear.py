@@ -83,6 +83,30 @@ def test_qlinear_add(seed):
     np.testing.assert_array_equal(want, c)
 
 
+# (s_a, z_a, s_b, z_b, s_c, z_c) of MobileNetV2's features.12 add (quantized with seed 0): a = 140,
+# b = 72 comes to 88.5 where the fixed part is computed unfused, to 88.49999 in ONNX Runtime
+TIE = (0.13486525416374207, 132, 0.12496309727430344, 120, 0.16128875315189362, 119)
+
+
+@pytest.mark.parametrize("params", [TIE, (0.02, 3, 0.05, 250, 0.07, 128)])
+def test_qlinear_add_every_byte_pair(params):
+    """All 256 x 256 operand pairs: the fixed part ``z_c - fma(r_a, z_a, r_b z_b)`` is what
+    ONNX Runtime's compiler makes of ``r_a * z_a + r_b * z_b`` (random data rarely lands on
+    the one rounding it decides)."""
+    sa, za, sb, zb, sc, zc = params
+    a, b = (x.astype(np.uint8) for x in np.meshgrid(np.arange(256), np.arange(256)))
+    node = helper.make_node("QLinearAdd", ["a", "sa", "za", "b", "sb", "zb", "sc", "zc"], ["c"],
+                            domain="com.microsoft")
+    inits = {"sa": np.float32(sa), "za": np.uint8(za), "sb": np.float32(sb), "zb": np.uint8(zb),
+             "sc": np.float32(sc), "zc": np.uint8(zc)}
+    c = _run([node], [("a", U8, a.shape), ("b", U8, b.shape)], [("c", U8)], inits,
+             {"a": a, "b": b}, ms=True)
+    want = qlinear.add(a, b, qlinear.add_params(sa, za, sb, zb, sc, zc), np.uint8)
+    np.testing.assert_array_equal(want, c)
+    if params == TIE:
+        assert c[72, 140] == 88
+
+
 @pytest.mark.parametrize("hw", [1, 3, 7])
 def test_qlinear_global_average_pool(hw):
     rng = np.random.default_rng(hw)
