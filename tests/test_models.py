@@ -192,6 +192,13 @@ def test_a_model_builds_for_a_machine_it_cannot_run_on(tmp_path):
     assert describe(out).target == "neon"   # the manifest the plan was checked over
 
 
+def test_a_model_for_a_gpu_is_refused_before_anything_is_built(tmp_path):
+    """A model's steps run on the CPU: GPU kernels in its library could never be called."""
+    with pytest.raises(bp.ArgumentError, match="runs its steps on the CPU"):
+        build_model(small_graph(_weights()), "cuda-sm80", tmp_path / "gpu", log=lambda m: None)
+    assert not (tmp_path / "gpu").exists()
+
+
 def test_prepacked_constant_is_never_read_in_another_layout():
     w = np.ones((4, 4, 1, 1), "float32")
     lay = bp.Layout("OIhw8i8o", w.shape)
