@@ -16,6 +16,7 @@ from blockpad.codegen.build import make_kernels
 from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
 from blockpad.schedules.register_tiled import RegisterTiled
+from blockpad.schedules.register_tiled import _schedule as rule_schedule
 
 from .conftest import assert_padding_contract, garbage, policy_libraries, run_guarded
 
@@ -480,6 +481,35 @@ def test_register_tiled_space_variants_all_compute_the_same(case, target, rng):
         results.append(out.numpy())
     for r in results[1:]:
         np.testing.assert_allclose(r, results[0], rtol=1e-5, atol=1e-5)
+
+
+def test_panels_run_inside_the_rows_where_the_source_outgrows_l2(rng):
+    """A 1x1 convolution whose source passes L2 (320 channels at 32 x 32: 1.3 MB) and whose
+    weights are small: the default schedule runs the output-channel panels inside the image
+    rows (``rows_outer_pays``), and both orders give numpy's result."""
+    import tvm
+
+    entry = {"op": "conv2d", "shape": [1, 320, 32, 32], "channels": 48, "src": "nChw16c",
+             "weights": "OIhw16i16o", "dst": "nChw16c"}
+    func = _kernels(entry)[0].func
+    target = get_target("host")
+    rule = RegisterTiled()
+    configs = rule.configs(func, target)
+    assert configs[0].rows_outer and not configs[1].rows_outer
+    x = rng.standard_normal((1, 320, 32, 32)).astype("float32")
+    w = rng.standard_normal((48, 320, 1, 1)).astype("float32")
+    src, wts = bp.Memory.from_numpy(x, bp.Layout("nChw16c", x.shape)), \
+        bp.Memory.from_numpy(w, bp.Layout("OIhw16i16o", w.shape))
+    dst_layout = bp.Layout("nChw16c", (1, 48, 32, 32))
+    want = np.einsum("nchw,kc->nkhw", x.astype(np.float64), w[:, :, 0, 0].astype(np.float64))
+    for cfg in configs[:2]:
+        sch = rule_schedule(func, target, cfg)
+        out = np.zeros(dst_layout.physical_shape, "float32")
+        args = [tvm.runtime.tensor(m.buffer.reshape(m.layout.physical_shape)) for m in (src, wts)]
+        res = tvm.runtime.tensor(out)
+        tvm.compile(sch.mod, target=target.tvm_target())["main"](*args, res)
+        got = bp.Memory(dst_layout, res.numpy().reshape(-1)).to_numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_register_tiled_hot_loop_has_no_guards_or_tails():
