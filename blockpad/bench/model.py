@@ -236,8 +236,8 @@ def _breakdown(runs: dict):
     steps, ops = b["steps"], b["ops"]
     total = sum(steps.values())
     print(f"\nblockpad per layer at {counts[0]} thread(s): {len(steps)} steps, {total:.2f} ms "
-          f"in steps against {b['ms']:.2f} ms per inference (the rest: the calls between "
-          f"them), by op:")
+          f"in steps (each timed alone, in plan order; a mean of 5 runs) against {b['ms']:.2f} "
+          f"ms per inference (a median, timed whole), by op:")
     by = {t: _by_op(runs[t]["steps"], runs[t]["ops"]) for t in counts}
     head = ["op", "steps", *[f"ms at {t}" for t in counts], "share"]
     head += [f"{t} vs {counts[0]} thread(s)" for t in counts[1:]]
