@@ -220,13 +220,13 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     start = time.perf_counter()
-    g = _graph(source, conv_algorithm)
     target = get_target(native_target() if target == "native" else target)
     if gpu_requirement(target.features) is not None:
         raise ArgumentError(f"target {target.name!r}: a built model runs its steps on the CPU "
                             f"(bp.Graph has no GPU execution), so it cannot use GPU kernels; "
                             f"build it for a CPU target, or its kernels alone for the GPU "
                             f"(`blockpad build spec.toml --target {target.name}`)")
+    g = _graph(source, conv_algorithm)
     out_dir = os.fspath(out_dir)
     doc = rm.graph_doc(g)
     key = build_key(g, doc, target, tuning_logs)
