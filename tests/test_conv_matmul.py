@@ -512,6 +512,49 @@ def test_panels_run_inside_the_rows_where_the_source_outgrows_l2(rng):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("shape,channels,kernel,stride,want", [
+    # (host: AVX2, 2 x 8-lane columns a tile, one panel of 16 output channels)
+    # 1x1, 1024 channels: 64 KiB of weights per panel -> 16 blocks a pass, the 4 rows at once
+    ([1, 1024, 4, 4], 32, 1, 1, (16, 4)),
+    # 3x3 stride 2 with spatial padding (the staged halo): one block a pass
+    ([1, 64, 9, 9], 32, 3, 2, (1, 5)),
+    # 28 columns in tiles of 6 (30 computed): 1.9 KiB of sums per row -> groups of 14 rows
+    ([1, 1024, 28, 28], 32, 1, 1, (16, 14)),
+])
+def test_channels_are_reduced_in_passes_where_the_weights_outgrow_l1(rng, shape, channels,
+                                                                     kernel, stride, want):
+    """Where a panel's weights pass L1 the default schedule reduces the source channels a few
+    blocks at a time over a group of rows (``chunk_plan``), the partial sums in a scratch;
+    with a bias and a relu in the epilogue, it gives numpy's result, as the one-pass order
+    does."""
+    import tvm
+
+    pad = kernel // 2
+    entry = {"op": "conv2d", "shape": shape, "channels": channels, "kernel": [kernel] * 2,
+             "stride": [stride] * 2, "pad": [pad] * 2, "src": "nChw16c",
+             "weights": "OIhw16i16o", "dst": "nChw16c",
+             "post_ops": [{"kind": "bias"}, {"kind": "eltwise", "algorithm": "relu"}]}
+    func = _kernels(entry)[0].func
+    target = get_target("host")
+    configs = RegisterTiled().configs(func, target)
+    assert (configs[0].chunk, configs[0].rows) == want and not configs[1].chunk
+    x = rng.standard_normal(shape).astype("float32")
+    w = rng.standard_normal((channels, shape[1], kernel, kernel)).astype("float32")
+    b = rng.standard_normal(channels).astype("float32")
+    ref = np.maximum(conv_ref(x, w, (stride,) * 2, (pad,) * 2) + b[None, :, None, None], 0)
+    src, wts = bp.Memory.from_numpy(x, bp.Layout("nChw16c", x.shape)), \
+        bp.Memory.from_numpy(w, bp.Layout("OIhw16i16o", w.shape))
+    dst_layout = bp.Layout("nChw16c", ref.shape)
+    for cfg in configs[:2]:
+        sch = rule_schedule(func, target, cfg)
+        res = tvm.runtime.tensor(np.zeros(dst_layout.physical_shape, "float32"))
+        args = [tvm.runtime.tensor(m.buffer.reshape(m.layout.physical_shape)) for m in (src, wts)]
+        tvm.compile(sch.mod, target=target.tvm_target())["main"](*args, tvm.runtime.tensor(b),
+                                                                 res)
+        got = bp.Memory(dst_layout, res.numpy().reshape(-1)).to_numpy()
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-3)
+
+
 def test_register_tiled_hot_loop_has_no_guards_or_tails():
     """Spatial padding is read from a zero-haloed copy (a stage of the kernel), and the tile
     that overhangs ow = 13 is computed whole: the reduction block has neither a bounds check
