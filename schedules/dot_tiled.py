@@ -26,8 +26,10 @@ row and column vector: 4 broadcast source bytes times the weight vectors every r
 
 What makes a nest awkward, and how it is still tensorized:
 
-* spatial padding read through a guard (``if_then_else`` around the source), and the rows of a
-  last, partial tile, become the predicate of a whole dot-product step (``lift_conditions``);
+* spatial padding read through a guard (``if_then_else`` around the source) is read from a
+  zero-haloed copy of the source, a stage of the kernel (``halo.staged_source``); a guard it
+  does not take (not exactly the buffer's bounds), and the rows of a last, partial tile,
+  become the predicate of a whole dot-product step (``lift_conditions``);
 * guarded weights (output channels past what the weights hold: ``nChw8c`` with ``K = 12``
   against ``OIhw4o4i``) where the guard holds or fails for whole vectors of lanes: the guard
   too becomes the predicate of a step (``lift_conditions``);
