@@ -57,6 +57,11 @@ CASES = {
                "pad": [1, 1], "spatial_pad": "stage", **BLK16, "post_ops": [SIGMOID]},
     "ow_tail": {"op": "conv2d", "shape": [1, 16, 5, 13], "channels": 16, "kernel": [3, 3],
                 "pad": [1, 1], **BLK16},
+    # 34 KiB of weights a panel: the channels reduced in passes (register_tiled.chunk_plan),
+    # 7 columns in tiles of 4, 20 output channels (padding in the last block), a sum
+    "chunked_1x1": {"op": "conv2d", "shape": [1, 544, 5, 7], "channels": 20, **BLK16,
+                    "sum": "nChw16c",
+                    "post_ops": [{"kind": "bias"}, RELU, {"kind": "sum", "scale": 0.5}]},
     "mm_packed": {"op": "matmul", "shape": [10, 30], "n": 20, "src": "ab", "weights": "BA16a16b",
                   "dst": "ab", "post_ops": [{"kind": "bias"}, RELU]},
     "mm_blocked": {"op": "matmul", "shape": [7, 30], "n": 40, "src": "aB16b",
@@ -73,7 +78,8 @@ CASES = {
 POLICY_CASES = {   # the policies beside dst_fused, on the cases where they differ most
     "dst_stage": ["blk16_chain", "groups2", "u8_blocked", "mm_blocked"],
     "on_handle": ["blk16_chain", "mm_blocked"],
-    "src": ["blk16_chain", "blk8_7x7s2", "groups2", "u8_blocked", "mm_blocked", "mm_u8"],
+    "src": ["blk16_chain", "blk8_7x7s2", "groups2", "u8_blocked", "mm_blocked", "mm_u8",
+            "chunked_1x1"],
 }
 RUNS = [("dst_fused", c) for c in CASES] + [(p, c) for p, cs in POLICY_CASES.items() for c in cs]
 
