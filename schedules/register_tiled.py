@@ -118,15 +118,15 @@ class RegisterTiled(ScheduleRule):
         """The default Config first, then its neighbours; [] if ``func`` is not this rule's."""
         if not self.takes(func, target):
             return []
-        shape = _nest_shape(func)
-        if shape is None:
+        nest = _nest_shape(func)
+        if nest is None:
             return []
-        t_extent, v_extent, dtype, predicated, u_extent, src_bytes, w_bytes = shape
-        out = tile_configs(t_extent, v_extent, u_extent, vector_lanes(target, dtype),
-                           target.tile_registers, predicated)
-        if not predicated and rows_outer_pays(src_bytes, w_bytes):
+        out = tile_configs(nest.t_extent, nest.v_extent, nest.u_extent,
+                           vector_lanes(target, nest.dtype), target.tile_registers,
+                           nest.predicated)
+        if not nest.predicated and rows_outer_pays(nest.src_bytes, nest.w_bytes):
             out.insert(0, dataclasses.replace(out[0], rows_outer=True))
-        chunked = chunk_plan(func, out[0]) if not predicated else None
+        chunked = chunk_plan(nest.channels, out[0]) if not nest.predicated else None
         if chunked is not None:
             out.insert(0, dataclasses.replace(out[0], chunk=chunked[0], rows=chunked[1],
                                               rows_outer=False))
@@ -155,8 +155,9 @@ CHUNK_BYTES = 16 << 10
 GROUP_BYTES = 32 << 10
 
 
-def chunk_plan(func, cfg: Config):
-    """``(chunk, rows)`` for ``cfg``'s tiles where a panel's weights outgrow L1, else None.
+def chunk_plan(shape: ChannelPasses | None, cfg: Config):
+    """``(chunk, rows)`` for ``cfg``'s tiles where a panel's weights outgrow L1, else None
+    (also where the nest has no ``shape``: no channel blocks or row dim to pass over).
 
     A tile reduces over all of its panel's weights: ``mu x nr`` output channels times every
     input channel and kernel tap (1x1 1024 -> 256 with 2 x 16 columns: 128 KiB), which L1 does
@@ -168,43 +169,19 @@ def chunk_plan(func, cfg: Config):
     Xeon (Cascade Lake, avx512, 1 thread), 1x1 1024 -> 256 at 14x14: 96-106 -> 117-128 GFLOP/s
     with 64 or 128 channels per chunk (256: 103-111). None where there is no second chunk, no
     row dim apart from the panels, or the chunk would not divide the channel blocks."""
-    shape = _chunk_shape(func)
-    if shape is None or cfg.mu > 1 and shape["u"] % cfg.mu:
+    if shape is None or cfg.mu > 1 and shape.panels % cfg.mu:
         return None
-    per_block = shape["taps"] * shape["block"] * cfg.mu * cfg.nr * shape["itemsize"]
-    if shape["blocks"] * per_block <= 2 * CHUNK_BYTES:
+    per_block = shape.taps * shape.block * cfg.mu * cfg.nr * shape.itemsize
+    if shape.blocks * per_block <= 2 * CHUNK_BYTES:
         return None
-    chunk = max(d for d in range(1, shape["blocks"] + 1)
-                if shape["blocks"] % d == 0 and (d == 1 or d * per_block <= CHUNK_BYTES))
-    if chunk == shape["blocks"]:
+    chunk = max(d for d in range(1, shape.blocks + 1)
+                if shape.blocks % d == 0 and (d == 1 or d * per_block <= CHUNK_BYTES))
+    if chunk == shape.blocks:
         return None
-    row_bytes = cfg.mu * -(-shape["width"] // cfg.mr) * cfg.mr * cfg.nr * shape["itemsize"]
-    rows = max(d for d in range(1, shape["height"] + 1)
-               if shape["height"] % d == 0 and (d == 1 or d * row_bytes <= GROUP_BYTES))
+    row_bytes = cfg.mu * -(-shape.width // cfg.mr) * cfg.mr * cfg.nr * shape.itemsize
+    rows = max(d for d in range(1, shape.height + 1)
+               if shape.height % d == 0 and (d == 1 or d * row_bytes <= GROUP_BYTES))
     return chunk, rows
-
-
-def _chunk_shape(func):
-    """What ``chunk_plan`` needs of a conv nest (``acc`` over ``n, panel, .., row, col,
-    vector``): the channel blocks of the source's innermost reduction, their size, the other
-    reduction steps (kernel taps), the panel dim's extent, the rows and columns; None where
-    the nest has no such dims."""
-    sch = s_tir.Schedule(func)
-    try:
-        block = sch.get(sch.get_sblock(ACC))
-    except s_tir.ScheduleError:
-        return None
-    n_sp = sum(1 for iv in block.iter_vars if int(iv.iter_type) == SPATIAL)
-    extents = [int(iv.dom.extent) for iv in block.iter_vars]
-    u = _weights_block_dim(block, n_sp)
-    split = _innermost_reduction(block, extents[n_sp:])
-    if u is None or split is None or u >= n_sp - 3:
-        return None
-    i, b = split
-    return {"blocks": extents[n_sp + i] // b, "block": b, "u": extents[u],
-            "taps": math.prod(extents[n_sp:]) // extents[n_sp + i],
-            "height": extents[n_sp - 3], "width": extents[n_sp - 2],
-            "itemsize": tvm.DataType(block.writes[0].source.dtype).bits // 8}
 
 
 def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False) -> list:
@@ -253,10 +230,43 @@ def _schedule(func, target, cfg: Config, tails=False):
     return sch
 
 
-def _nest_shape(func):
-    """(extent of the register-tile dim, of the vector dim, accumulator dtype, whether the
-    destination stage is predicated, extent of the panel dim, bytes of the source and of the
-    weights) or None if the nest is not the kernel's shape."""
+@dataclass(frozen=True)
+class ChannelPasses:
+    """What ``chunk_plan`` reads of a conv nest (``acc`` over ``n, panel, .., row, col,
+    vector``): ``blocks`` source channel blocks of ``block`` channels (the innermost
+    reduction), ``taps`` other reduction steps (kernel taps), ``panels`` (the panel dim's
+    extent), the image's ``height`` rows and ``width`` columns, the accumulator's
+    ``itemsize``."""
+
+    blocks: int
+    block: int
+    taps: int
+    panels: int
+    height: int
+    width: int
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class Nest:
+    """What the rule reads of a nest: the extents of the register-tile dim (``t_extent``), of
+    the vector dim (``v_extent``) and of the panel dim (``u_extent``, 1: none), the
+    accumulator ``dtype``, whether the destination stage is ``predicated``, the bytes of the
+    source and of the weights, and its ``channels`` for reduction passes (None: no such
+    dims)."""
+
+    t_extent: int
+    v_extent: int
+    dtype: str
+    predicated: bool
+    u_extent: int
+    src_bytes: int
+    w_bytes: int
+    channels: ChannelPasses | None
+
+
+def _nest_shape(func) -> Nest | None:
+    """The ``Nest`` of ``func``, or None if the nest is not the kernel's shape."""
     sch = s_tir.Schedule(func)
     try:
         acc, dst = sch.get_sblock(ACC), sch.get_sblock(DST)
@@ -271,12 +281,25 @@ def _nest_shape(func):
     extents = [int(sch.get(l).extent) for l in loops]
     # a predicated block (the valid plan's) can be split but not reordered: its columns stay whole
     pred = _realize(sch, dst).predicate
-    predicated = not is_true(pred)
     u = _weights_block_dim(block, n_sp)
     # no reads at all where every window lies in the spatial padding
     src, weights = ([_bytes(r.source) for r in block.reads[:2]] + [0, 0])[:2]
-    return (extents[-2], extents[-1], str(block.writes[0].source.dtype), predicated,
-            extents[u] if u is not None else 1, src, weights)
+    return Nest(extents[-2], extents[-1], str(block.writes[0].source.dtype), not is_true(pred),
+                extents[u] if u is not None else 1, src, weights, _channel_passes(block, n_sp, u))
+
+
+def _channel_passes(block, n_sp: int, u) -> ChannelPasses | None:
+    """The ``ChannelPasses`` of ``acc``'s ``block`` (``n_sp`` spatial iters, panel dim ``u``),
+    or None where the nest has no panel dim outside the rows or no channel-blocked reduction."""
+    extents = [int(iv.dom.extent) for iv in block.iter_vars]
+    split = _innermost_reduction(block, extents[n_sp:])
+    if u is None or split is None or u >= n_sp - 3:
+        return None
+    i, b = split
+    return ChannelPasses(blocks=extents[n_sp + i] // b, block=b,
+                         taps=math.prod(extents[n_sp:]) // extents[n_sp + i], panels=extents[u],
+                         height=extents[n_sp - 3], width=extents[n_sp - 2],
+                         itemsize=tvm.DataType(block.writes[0].source.dtype).bits // 8)
 
 
 def _bytes(buf) -> int:
