@@ -160,3 +160,11 @@ def post_op_tensors(chain) -> list:
 #: Every name ``post_op_tensors`` can give, in the order kernels take them as arguments.
 POST_OP_TENSORS = ("bias", "sum", *(f"sum_{i}" for i in range(1, MAX_SUMS)),
                    *(f"binary_{i}" for i in range(MAX_BINARIES)), "addend")
+
+
+#: The source an op built with ``inplace = true`` overwrites with its result (seed 003's
+#: in-place ops), each result element computed from reads made before it is written; a
+#: convolution's or matmul's is its first sum post-op's tensor, which oneDNN's sum post-op
+#: accumulates into in the destination's own memory.
+INPLACE_SOURCES = MappingProxyType({"eltwise": "src", "binary": "src0", "softmax": "src",
+                                    "conv2d": "sum", "matmul": "sum"})

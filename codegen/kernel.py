@@ -79,25 +79,30 @@ def make_inplace(kernel: KernelDef, source: str) -> KernelDef:
     """The same kernel writing its result over source ``source`` (seed 003's in-place ops):
     the source becomes one ``inout`` argument and the destination parameter goes away. Valid
     for ops whose every output element is computed from reads made before it is written
-    (elementwise, binary, softmax's final stage). The func itself is aliased after scheduling
+    (elementwise, binary, softmax's final stage, the epilogue of a convolution or matmul,
+    which reads its sum at the element it writes). The func itself is aliased after scheduling
     (``alias_inplace``): schedule primitives want each stage to write a buffer of its own."""
     *_, dst = kernel.args
     src = next((a for a in kernel.args if a.name == source), None)
-    if src is None or dst.role != "out":
-        raise ValueError(f"{kernel.name}: no source {source!r} to compute in place over")
-    check_inplace(source, src.layout, dst.layout)
+    if dst.role != "out":
+        raise ValueError(f"{kernel.name}: no destination to compute in place")
+    check_inplace(source, src.layout if src else None, dst.layout)
     args = [Arg(a.name, a.layout, "inout", a.storage) if a is src else a for a in kernel.args]
     params = {**kernel.params, "inplace": True}
     return KernelDef(kernel.name, kernel.op, args, kernel.func, params, kernel.contract,
                      inplace_of=kernel.args.index(src))
 
 
-def check_inplace(source: str, src: Layout, dst: Layout) -> None:
-    """In place overwrites ``source`` element by element: it must be laid out as dst (checked
+def check_inplace(source: str, src: Layout | None, dst: Layout) -> None:
+    """In place overwrites ``source`` element by element: the kernel must have it (a
+    convolution's sum tensor comes with a sum post-op) and it must be laid out as dst (checked
     when the spec is parsed, and again when the kernel is made)."""
-    if src != dst:
-        from blockpad.errors import SpecError
+    from blockpad.errors import SpecError
 
+    if src is None:
+        raise SpecError(f"in place overwrites {source}, which this kernel does not take"
+                        + (" (it needs a sum post-op)" if source.startswith("sum") else ""))
+    if src != dst:
         raise SpecError(f"in place needs {source} and dst in one layout; got {src} and {dst}")
 
 

@@ -157,7 +157,7 @@ def _expand(entry, index: int, where: str, library_policy: str, errors: list):
         try:
             op.validate(dict(layouts), params)
             if params.get("inplace"):
-                check_inplace(op.inplace, dict(layouts)[op.inplace], dict(layouts)["dst"])
+                check_inplace(op.inplace, dict(layouts).get(op.inplace), dict(layouts)["dst"])
         except BlockpadError as e:
             errors.append(f"{where} ({name}): {e}")
             continue

@@ -14,7 +14,7 @@ from blockpad.errors import ArgumentError, LoadError
 from blockpad.layout import Layout, numpy_dtype
 from blockpad.machine import gpu_requirement
 from blockpad.manifest import KernelRecord
-from blockpad.vocabulary import KERNEL_ZEROS, SEVEN_BIT_RANGE
+from blockpad.vocabulary import INPLACE_SOURCES, KERNEL_ZEROS, SEVEN_BIT_RANGE
 
 from . import padding
 from .loadable import check_loadable
@@ -198,7 +198,7 @@ class Kernel:
                 twin = self._library.inplace_form(sig, i)
                 if twin is not None:
                     return twin
-                if sig.op in _INPLACE_OPS:
+                if INPLACE_SOURCES.get(sig.op) == a.name:
                     raise ArgumentError(
                         f"{sig.name}: {a.name!r} is also passed as {b.name!r}; "
                         f"this kernel needs separate buffers. To compute in place, build the "
@@ -499,9 +499,6 @@ def _as_gpu_tensor(value, where, role, layout: Layout, storage):
 
 def _itemsize(dtype: str) -> int:
     return numpy_dtype(dtype).itemsize
-
-
-_INPLACE_OPS = ("eltwise", "binary", "softmax")   # ops a spec may build with inplace = true
 
 
 def _check_no_alias(sig: Signature, overlap):

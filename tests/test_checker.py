@@ -18,7 +18,7 @@ from blockpad.codegen.spec import parse_spec
 from blockpad.vocabulary import CLEAN_AFTER_CALL, POLICIES
 
 from .conftest import garbage
-from .reference import REFERENCES
+from .reference import REFERENCES, conv_reference
 
 SHAPE = [2, 30, 3, 5]
 CASES = [
@@ -124,6 +124,62 @@ def test_inplace_kernels_overwrite_their_source(inplace_lib, case, rng):
     want = REFERENCES[INPLACE[case]["op"]](INPLACE[case], *arrays)
     np.testing.assert_allclose(mems[0].to_numpy(), want, rtol=2e-6, atol=2e-6)
     assert mems[0].padding_is_zero()
+
+
+SUM_CHAIN = [{"kind": "bias"}, {"kind": "sum", "scale": 0.5}, {"kind": "eltwise"}]
+SUM_KERNELS = [
+    {"op": "conv2d", "name": "conv_sum", "shape": SHAPE, "channels": 20, "kernel": [3, 3],
+     "pad": [1, 1], "src": "nChw16c", "weights": "OIhw16i16o", "dst": "nChw16c",
+     "sum": "nChw16c", "post_ops": SUM_CHAIN},
+    {"op": "matmul", "name": "matmul_sum", "shape": [6, 30], "n": 20, "src": "ab",
+     "weights": "Ba16b", "dst": "ab", "sum": "ab", "post_ops": SUM_CHAIN},
+]
+
+
+@pytest.fixture(scope="module")
+def sum_lib(tmp_path_factory):
+    """The conv2d and matmul above, each also built with ``inplace = true`` (over the sum)."""
+    d = tmp_path_factory.mktemp("sum_inplace")
+    kernels = SUM_KERNELS + [{**k, "name": k["name"] + "_inplace", "inplace": True}
+                             for k in SUM_KERNELS]
+    bp.build(parse_spec({"kernel": kernels}), "host", d, log=lambda m: None)
+    return bp.load(d)
+
+
+def _sum_reference(op, x, w, bias, total):
+    if op == "matmul":
+        acc = x.astype(np.float64) @ w
+    else:
+        acc = conv_reference(x.astype(np.float64), w.astype(np.float64),
+                             {"stride": (1, 1), "pad": (1, 1), "dilation": (1, 1), "groups": 1})
+    channel = (slice(None),) if op == "matmul" else (slice(None), None, None)
+    return np.maximum(acc + bias[channel] + 0.5 * total, 0)
+
+
+@pytest.mark.parametrize("spec", SUM_KERNELS, ids=lambda k: k["op"])
+def test_a_sum_post_op_accumulates_in_place(sum_lib, spec, rng):
+    """oneDNN's sum post-op in the destination's memory: the sum tensor is an inout argument,
+    and the same Memory passed as sum and dst to the out-of-place kernel runs the in-place one."""
+    kernel = sum_lib[spec["name"] + "_inplace"]
+    assert [(n, role) for n, role, _, _ in kernel.signature.args][-1] == ("sum", "inout")
+    arrays = [rng.standard_normal(lay.shape).astype("float32")
+              for _, _, lay, _ in kernel.signature.args]
+    want = _sum_reference(spec["op"], *arrays)
+    for call in (lambda m: kernel(*m), lambda m: sum_lib[spec["name"]](*m, m[-1])):
+        mems = [bp.Memory.from_numpy(a, lay) for a, (_, _, lay, _) in
+                zip(arrays, kernel.signature.args)]
+        assert call(mems) is None
+        np.testing.assert_allclose(mems[-1].to_numpy(), want, rtol=1e-5, atol=1e-5)
+        assert mems[-1].padding_is_zero()
+
+
+def test_inplace_over_a_sum_needs_one():
+    spec = {**SUM_KERNELS[0], "post_ops": [{"kind": "bias"}], "inplace": True}
+    del spec["sum"]
+    with pytest.raises(bp.SpecError, match="in place overwrites sum, which this kernel does "
+                                           "not take \\(it needs a sum post-op\\)"):
+        bp.build(parse_spec({"kernel": [spec]}), "host", "/nonexistent-never-built",
+                 log=lambda m: None)
 
 
 def test_inplace_needs_one_layout():

@@ -201,6 +201,52 @@ def test_rule_1_and_renaming_through_an_inplace_chain():
     assert nodes[1].outputs == ["v"]                           # the input list is not modified
 
 
+def test_rule_1_counts_only_the_readers_that_run_after_the_op():
+    """A reader before the op has read the input already (the plan runs the ops in order):
+    a ResNet block's input, read by its first convolution, takes the block's result."""
+    nodes = [Node("conv1", "custom", ["x"], ["h"]),
+             Node("add", "binary", ["h", "x"], ["y"]),
+             Node("late", "custom", ["h"], ["z"])]
+    res = inplace_pass(nodes, lambda n: [1] if n.op == "binary" else [])
+    assert res.inplace_ops == ["add"] and res.nodes[1].outputs == ["x"]
+    nodes[2] = Node("late", "custom", ["x"], ["z"])     # x read again after the add: refused
+    res = inplace_pass(nodes, lambda n: [1] if n.op == "binary" else [])
+    assert res.applied == [] and "read by late (rule 1)" in res.refused[0][2]
+
+
+def _bottleneck(cache, policy, inplace=True):
+    """A ResNet identity block after a stem: the block input x (not a graph input) is read by
+    the first convolution and by the sum the last one takes."""
+    rng = np.random.default_rng(3)
+    w0, w1, w2 = arr(rng, (16, X[1], 1, 1), 0.3), arr(rng, (MID, 16, 3, 3), 0.2), \
+        arr(rng, (16, MID, 1, 1), 0.2)
+    g = bp.Graph(policy=policy, cache=cache, inplace=inplace)
+    x = g.relu(g.conv2d(g.input("x0", X), g.constant("w0", w0)))
+    h = g.relu(g.conv2d(x, g.constant("w1", w1), pad=1))
+    y = g.relu(g.add(g.conv2d(h, g.constant("w2", w2)), x))
+    g.output(y)
+
+    def ref(x0):
+        x = np.maximum(ref_conv(x0, w0), 0)
+        return np.maximum(ref_conv(np.maximum(ref_conv(x, w1, pad=1), 0), w2) + x, 0)
+    return g, y, ref
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_conv_with_sum_runs_in_place_over_the_block_input(cache, policy, rng):
+    g, y, ref = _bottleneck(cache, policy)
+    x0 = arr(rng, X)
+    res = g.run(x0=x0)
+    assert np.allclose(res[y.name].numpy(), ref(x0), atol=1e-4)
+    plan = g.plan(x0=x0)
+    last = plan.steps[-1]
+    assert last.kind == "kernel" and last.inplace and res.report.inplace == [last.label]
+    assert "sum" in [a.name for a in last.kernel.signature.args if a.role == "inout"]
+    off = _bottleneck(cache, policy, inplace=False)[0].run(x0=x0)
+    assert off.report.inplace == [] and off.report.arena_bytes > res.report.arena_bytes
+    assert np.array_equal(off[y.name].numpy(), res[y.name].numpy())
+
+
 def test_softmax_graph_from_seed_runs(cache, rng):
     g = bp.Graph(cache=cache)
     x = g.input("x", S)

@@ -375,7 +375,16 @@ def _conv2d(rng, prof):
                            halo="hw"),
              "weights": layout(rng, wletters, wshape, wdtype, prof, block=wblock,
                                halo="", permute=False)}
-    return _quant(rng, _dot_tensors(rng, entry, "nchw", [n, k, *out], prof))
+    return _sum_inplace(rng, _quant(rng, _dot_tensors(rng, entry, "nchw", [n, k, *out], prof)))
+
+
+def _sum_inplace(rng, entry):
+    """In place over the first sum with probability 1/4, where it has dst's type (its layout
+    is dst's already): oneDNN's sum post-op accumulating into the destination's memory."""
+    sums = [p for p in entry["post_ops"] if p["kind"] == "sum"]
+    if sums and "dt" not in sums[0] and rng.random() < 0.25:
+        entry["inplace"] = True
+    return entry
 
 
 def _quant(rng, entry):
@@ -435,7 +444,7 @@ def _matmul(rng, prof):
              "post_ops": _post_ops(rng, DST_TYPES.get(dtype, "float32")),
              "src": layout(rng, "ab", [m, kk], dtype, prof, block="ba"),
              "weights": layout(rng, "ab", [kk, n], wdtype, prof, block="ba", halo="")}
-    return _quant(rng, _dot_tensors(rng, entry, "ab", [m, n], prof))
+    return _sum_inplace(rng, _quant(rng, _dot_tensors(rng, entry, "ab", [m, n], prof)))
 
 
 def _inner_chains(rng):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from blockpad.vocabulary import INPLACE_SOURCES
+
 from . import (
     binary,
     concat,
@@ -58,13 +60,14 @@ OPS = {
                   policy_free=True),
     "zero_pad": Op(("layout",), lambda l, name, policy: [zero_pad(l["layout"], name)],
                    policy_free=True),
-    "eltwise": Op(("src", "dst"), eltwise.make, eltwise.PARAMS, inplace="src",
+    "eltwise": Op(("src", "dst"), eltwise.make, eltwise.PARAMS, inplace=INPLACE_SOURCES["eltwise"],
                   check=eltwise.check),
     "binary": Op(("src0", "src1", "dst"), binary.make, binary.PARAMS, binary.signature,
-                 inplace="src0"),
-    "conv2d": Op(conv.TENSORS, conv.make, conv.PARAMS, conv.signature, postops.DEFAULT_TAGS),
+                 inplace=INPLACE_SOURCES["binary"]),
+    "conv2d": Op(conv.TENSORS, conv.make, conv.PARAMS, conv.signature, postops.DEFAULT_TAGS,
+                 inplace=INPLACE_SOURCES["conv2d"]),
     "matmul": Op(matmul.TENSORS, matmul.make, matmul.PARAMS, matmul.signature,
-                 postops.DEFAULT_TAGS),
+                 postops.DEFAULT_TAGS, inplace=INPLACE_SOURCES["matmul"]),
     "softmax": Op(("src", "dst"), softmax.make, softmax.PARAMS, inplace="src",
                   check=softmax.check),
     "pool": Op(("src", "dst"), pool.make, pool.PARAMS, pool.signature),

@@ -19,6 +19,7 @@ from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
 from blockpad.numpy_conv import direct_conv
 from blockpad.vocabulary import (
+    INPLACE_SOURCES,
     POOL_DTYPES,
     POST_OP_TENSORS,
     QUANT_DEFAULTS,
@@ -364,6 +365,19 @@ def post_op_inputs(attrs) -> list:
     return [n for n in POST_OP_TENSORS if n in names]
 
 
+def sum_inplace_inputs(node, types, out) -> list:
+    """``[index]`` of a conv2d's or matmul's first sum post-op tensor where the result may
+    overwrite it (the result's shape and dtype: oneDNN's sum post-op accumulates into the
+    destination's memory), else []. Its inputs: src, weights, an integer kernel's scale, then
+    ``post_op_inputs``."""
+    names = post_op_inputs(node.attrs)
+    source = INPLACE_SOURCES[node.op]
+    if source not in names:
+        return []
+    i = 2 + (node.attrs.get("quant") is not None) + names.index(source)
+    return [i] if (tuple(types[i][0]), types[i][1]) == (tuple(out[0]), out[1]) else []
+
+
 def _post_op_arrays(attrs, rest) -> dict:
     """The inputs after src and weights (and scale) by argument name."""
     return dict(zip(post_op_inputs(attrs), rest[1:] if attrs.get("quant") else rest))
@@ -488,6 +502,10 @@ class Conv2d(OpInfo):
     depthwise ``Goihw<b>g``); plain: ``nchw`` with ``oihw`` (``goihw`` when grouped)."""
 
     name = "conv2d"
+    inplace_capable = True
+
+    def inplace_inputs(self, node, types):
+        return sum_inplace_inputs(node, types, self.infer(node, types)[0])
 
     def infer(self, node, types):
         a = node.attrs
@@ -534,7 +552,7 @@ class Conv2d(OpInfo):
         out = conv_out_shape(src, w[0], w[2:], a["stride"], a["pad"], a["dilation"])
         return winograd.choose(src[0], src[1], w[0], *out[2:])
 
-    def _request(self, node, types, lays, graph, tile=None):
+    def _request(self, node, types, lays, graph, tile=None, inplace=False):
         a = node.attrs
         (src, dt), (w, _) = types[:2]
         q = a.get("quant")
@@ -546,6 +564,8 @@ class Conv2d(OpInfo):
                   **quant_params(node, graph, dt)}
         if tile is not None:
             params.update(algorithm="winograd", winograd_tile=tile)
+        if inplace:
+            params["inplace"] = True
         return Request.make("conv2d", list(zip(names, lays)), params, graph.policy, shape=src,
                             dtype=dt)
 
@@ -586,14 +606,14 @@ class Conv2d(OpInfo):
                                 Layout(f"OIhw1i{block}o4i", tuple(w), wdt)]
                     label = f"nChw4c->nChw{block}c"
                 out.append(Candidate(lays[:-1], [d], lambda inplace, lays=lays: self._request(
-                    node, types, lays, graph), args, label))
+                    node, types, lays, graph, inplace=inplace), args, label))
             lays = [s, wl] + rest
             out.append(Candidate(lays[:-1], [d], lambda inplace, lays=lays: self._request(
-                node, types, lays, graph, tile), args, f"nChw{block}c"))
+                node, types, lays, graph, tile, inplace), args, f"nChw{block}c"))
         lays = [plain(src, dt), self._weights(w, wdt, groups)] + \
             [plain(t[0], t[1]) for t in extra] + [plain(out_shape, out_dt)]
         out.append(Candidate(lays[:-1], [lays[-1]], lambda inplace, lays=lays: self._request(
-            node, types, lays, graph), args, "plain"))
+            node, types, lays, graph, inplace=inplace), args, "plain"))
         return out
 
     def reference(self, node, arrays):
@@ -776,6 +796,10 @@ class Matmul(OpInfo):
     ``weight_bits = 7`` where the constant weights fit (as ``Conv2d``)."""
 
     name = "matmul"
+    inplace_capable = True
+
+    def inplace_inputs(self, node, types):
+        return sum_inplace_inputs(node, types, self.infer(node, types)[0])
 
     def infer(self, node, types):
         (src, dt), (w, wdt) = types[:2]
@@ -809,7 +833,8 @@ class Matmul(OpInfo):
             lays = [plain(src, dt), Layout(wtag, w, wdt)] + \
                 [plain(t[0], t[1]) for t in types[2:]] + [plain(out_shape, out_dt)]
             out.append(Candidate(lays[:-1], lays[-1:], lambda inplace, lays=lays: Request.make(
-                "matmul", list(zip(names, lays)), params, graph.policy), args,
+                "matmul", list(zip(names, lays)), {**params, **({"inplace": True} if inplace
+                                                                else {})}, graph.policy), args,
                 "blocked" if wtag != "ab" else "plain"))
         return out
 

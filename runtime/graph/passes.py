@@ -123,7 +123,11 @@ def inplace_pass(nodes, capable, protected=()) -> InplaceResult:
     results the caller reads). For each capable op, in order, and each input it could overwrite,
     the rules are checked:
 
-    1. the input's definition is read by no other op;
+    1. the input's definition is read by no other op that runs after this one (the plan runs
+       the ops in this order, so a reader before it has read the input already: a ResNet
+       block's input, read by its first convolution, can take the block's result by way of
+       the last one's sum post-op; seed 003 refuses any other reader, for graphs whose ops
+       may run out of order);
     2. no later op writes the input variable, unless that op reads this op's output (which
        becomes the same variable) and can itself run in place over it, this op's output having
        no other reader.
@@ -172,7 +176,7 @@ def _check(nodes, i, var, out, protected, capable):
         return f"{var!r} is a graph input, a constant or a result the caller reads"
     if n.inputs.count(var) > 1:
         return f"{n.name} reads {var!r} twice"
-    others = [nodes[j].name for j in readers(nodes, _definition(nodes, i, var), var) if j != i]
+    others = [nodes[j].name for j in readers(nodes, _definition(nodes, i, var), var) if j > i]
     if others:   # rule 1
         return f"{var!r} is also read by {', '.join(others)} (rule 1)"
     if var == out:

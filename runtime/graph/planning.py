@@ -157,18 +157,19 @@ class Plan:
             lay = plain(a.shape, v.dtype)
             v.home = v.versions[lay] = self._buf(s, lay)
 
-        # the in-place pass needs each variable's shape at each op: track through the program
-        env_types = {n: (tuple(v.shape), v.dtype) for n, v in env.items()}
-        node_types = {}
-        for n in g.nodes:
-            ins = [env_types[v] for v in n.inputs]
-            node_types[n.name] = ins
-            for o, t in zip(n.outputs, GRAPH_OPS[n.op].infer(n, ins)):
-                env_types[o] = (tuple(t[0]), dtype_name(t[1]))
+        # fusion and the in-place pass need each variable's shape at each op: track through
+        # the program (names may be written more than once)
+        start_types = {n: (tuple(v.shape), v.dtype) for n, v in env.items()}
 
-        def capable(node):
-            info = GRAPH_OPS[node.op]
-            return info.inplace_inputs(node, node_types[node.name]) if info.inplace_capable else []
+        def track(program):
+            env_types, node_types = dict(start_types), {}
+            for n in program:
+                ins = node_types[n.name] = [env_types[v] for v in n.inputs]
+                for o, t in zip(n.outputs, GRAPH_OPS[n.op].infer(n, ins)):
+                    env_types[o] = (tuple(t[0]), dtype_name(t[1]))
+            return env_types, node_types
+
+        env_types, node_types = track(g.nodes)
 
         protected = set(g.inputs) | set(g.weight_cache.arrays) | set(g.outputs)
         nodes = g.nodes
@@ -182,6 +183,13 @@ class Plan:
                 nodes, protected, lambda n: node_types[n.name],
                 lambda v: v in g.weight_cache.arrays)
             self.fused += blocks
+        fused_types = track(nodes)[1]   # a convolution that took a sum reads one more input
+
+        def capable(node):
+            info = GRAPH_OPS[node.op]
+            return info.inplace_inputs(node, fused_types[node.name]) if info.inplace_capable \
+                else []
+
         if g.inplace:
             self.inplace_result = inplace_pass(nodes, capable, protected)
         else:
