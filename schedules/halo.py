@@ -1,10 +1,14 @@
-"""Spatial padding of a convolution window, moved out of the hot loop on any target: the
-window's guarded reads (``if_then_else(in_image, src[...], 0)``, padding fused into the loads,
-a branch per read) become either reads of a zero-haloed copy of the source, made by a stage of
-the kernel (``staged_source``: the CPU rules ``register_tiled`` and the tensorized ones
-through it, whose every source element feeds many FMAs, and CUDA's ``cuda_conv``, which stages
-the copy in shared memory), or branch-free selects of clamped reads (``clamped_source``: the
-depthwise rule, where a copy of the source costs as much as the convolution)."""
+"""The source a convolution window reads, restaged out of the hot loop on any target.
+
+Spatial padding: the window's guarded reads (``if_then_else(in_image, src[...], 0)``, padding
+fused into the loads, a branch per read) become either reads of a zero-haloed copy of the
+source, made by a stage of the kernel (``staged_source``: the CPU rules ``register_tiled`` and
+the tensorized ones through it, whose every source element feeds many FMAs, and CUDA's
+``cuda_conv``, which stages the copy in shared memory), or branch-free selects of clamped reads
+(``clamped_source``: the depthwise rule, where a copy of the source costs as much as the
+convolution). Strides: a window that reads every ``s``-th row or column and nothing between
+them (a ResNet downsample's strided 1x1) reads a dense copy of those instead
+(``subsampled_source``)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from tvm import s_tir, te, tirx
 from tvm.sym.analyzer import Analyzer
 
 from blockpad.vocabulary import ACC
+
+from .common import SPATIAL
 
 _IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 
@@ -41,23 +47,59 @@ def staged_source(func):
         return tirx.if_then_else(tirx.all(*inside), ph(*[x - a for x, a in zip(p, lo)]),
                                  tirx.const(0, dtype))
 
-    stage_func = te.create_prim_func([ph, te.compute(padded, value, name="src_pad")])
-    staged = tirx.decl_buffer(padded, dtype, "src_pad")
+    return _with_stage(func, te.create_prim_func([ph, te.compute(padded, value, name="src_pad")]),
+                       buf, padded, "src_pad", guarded,
+                       lambda staged: tirx.BufferLoad(staged, [x + a for x, a in zip(idx, lo)]),
+                       lambda reg: [tvm.ir.Range.from_min_extent(r.min + a, r.extent)
+                                    for r, a in zip(reg.region, lo)])
+
+
+def _with_stage(func, stage_func, buf, shape, name, old, new_read, new_region):
+    """``func`` with ``stage_func`` (source -> copy) run first into a buffer ``name`` of
+    ``shape``, and the ``acc`` block's ``old`` read (a load, or the call guarding one) replaced
+    by ``new_read(copy)``; its read regions of ``buf`` become ``new_region(region)`` of the
+    copy."""
+    dtype = str(buf.ty.dtype)
+    staged = tirx.decl_buffer(shape, dtype, name)
     rename = {stage_func.params[0]: buf, stage_func.params[1]: staged}
     stage = tvm_ffi.structural_map(
         stage_func.body.block.body,
         (tirx.Var, lambda v: next((n for o, n in rename.items() if o.same_as(v)), v)))
-    shifted = tirx.BufferLoad(staged, [x + a for x, a in zip(idx, lo)])
-    body = _replace_guard(func.body.block.body, guarded, shifted, lambda reads: [
-        tirx.BufferRegion(staged, [tvm.ir.Range.from_min_extent(r.min + a, r.extent)
-                                   for r, a in zip(reg.region, lo)])
-        if reg.source.same_as(buf) else reg for reg in reads])
+    body = _replace_guard(func.body.block.body, old, new_read(staged), lambda reads: [
+        tirx.BufferRegion(staged, new_region(reg)) if reg.source.same_as(buf) else reg
+        for reg in reads])
     root = func.body.block
     stmts = list(body) if isinstance(body, tirx.SeqStmt) else [body]
     root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
                         tirx.SeqStmt([stage, *stmts]), root.init,
                         [*root.alloc_buffers, staged], root.match_buffers, root.annotations)
     return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
+
+
+def subsampled_source(func):
+    """``func`` with the source read at ``s * o`` along some dims (a strided window of extent
+    one there: a ResNet downsample's 1x1, stride 2) taken from a dense copy of the rows and
+    columns it reads, made by a stage of the kernel. Read strided, each panel of output
+    channels pulls the whole source through the cache (a pixel of ``nChw16c`` float32 is one
+    64-byte line, and the lines between are fetched with it), and a source larger than L2
+    comes from L3 once per panel; the copy is a quarter of it. ``func`` itself where no read
+    is so strided."""
+    found = _strided_read(func)
+    if found is None:
+        return func
+    load, strided = found
+    buf, idx = load.source, list(load.indices)
+    shape = [int(n) for n in buf.ty.shape]
+    dense = [strided[d][1] if d in strided else n for d, n in enumerate(shape)]
+    dtype = str(buf.ty.dtype)
+    ph = te.placeholder(shape, dtype, "src")
+    stage = te.compute(dense, lambda *p: ph(*[p[d] * strided[d][0] if d in strided else p[d]
+                                              for d in range(len(p))]), name="src_sub")
+    new_idx = [strided[d][2] if d in strided else x for d, x in enumerate(idx)]
+    return _with_stage(func, te.create_prim_func([ph, stage]), buf, dense, "src_sub", load,
+                       lambda staged: tirx.BufferLoad(staged, new_idx),
+                       lambda reg: [tvm.ir.Range.from_min_extent(strided[d][2], 1)
+                                    if d in strided else r for d, r in enumerate(reg.region)])
 
 
 def clamped_source(func):
@@ -80,16 +122,16 @@ def clamped_source(func):
 
 
 def _replace_guard(stmt, guarded, new, reads=None):
-    """``stmt`` with the ``acc`` block's call ``guarded`` replaced by ``new``, and the block's
+    """``stmt`` with the ``acc`` block's call or load ``guarded`` replaced by ``new``, and the block's
     read regions mapped by ``reads`` (a function of the list), if given."""
-    def swap_call(c):
+    def swap(c):
         return new if c.same_as(guarded) else c
 
     def swap_block(realize):
         blk = realize.block
         if blk.name_hint != ACC:
             return realize
-        body = tvm_ffi.structural_map(blk.body, (tvm.ir.expr.Call, swap_call))
+        body = tvm_ffi.structural_map(blk.body, (type(guarded), swap))
         blk = s_tir.SBlock(blk.iter_vars, reads(blk.reads) if reads else blk.reads, blk.writes,
                            blk.name_hint, body, blk.init, blk.alloc_buffers, blk.match_buffers,
                            blk.annotations)
@@ -98,14 +140,55 @@ def _replace_guard(stmt, guarded, new, reads=None):
     return tvm_ffi.structural_map(stmt, (s_tir.SBlockRealize, swap_block))
 
 
+def _acc_block(func):
+    realizes = []
+    tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
+    return next((r.block for r in realizes if r.block.name_hint == ACC), None)
+
+
+def _strided_read(func):
+    """``(load, {dim: (stride, extent, var)})``: the ``acc`` block's one load of its first
+    source whose index is ``stride * var`` (stride > 1, ``var`` a spatial iterator of the
+    block, plus a window iterator of extent one) along some dims, unguarded; None if there is
+    none."""
+    acc = _acc_block(func)
+    if acc is None or not acc.reads or \
+            not any(acc.reads[0].source.same_as(p) for p in func.params):
+        return None
+    src = acc.reads[0].source
+    loads = []
+    tvm_ffi.structural_map(acc.body, (tvm.ir.expr.TensorLoad, lambda c: loads.append(c) or c))
+    loads = [x for x in loads if x.source.same_as(src)]
+    if len(loads) != 1 or _is_guarded(acc.body, loads[0]):
+        return None
+    spatial = {iv.var: int(iv.dom.extent) for iv in acc.iter_vars if int(iv.iter_type) == SPATIAL}
+    # a window of extent one: ``s * o + r`` with ``r`` a reduction iterator over [0, 1)
+    zero = [iv.var for iv in acc.iter_vars if int(iv.iter_type) != SPATIAL
+            and int(iv.dom.min) == 0 and int(iv.dom.extent) == 1]
+    strided = {}
+    for d, x in enumerate(loads[0].indices):
+        if isinstance(x, tirx.Add) and any(x.b.same_as(v) for v in zero):
+            x = x.a
+        if isinstance(x, tirx.Mul) and isinstance(x.b, tirx.IntImm) and x.b.value > 1:
+            var = next((v for v in spatial if v.same_as(x.a)), None)
+            if var is not None:
+                strided[d] = (int(x.b.value), spatial[var], var)
+    return (loads[0], strided) if strided else None
+
+
+def _is_guarded(body, load) -> bool:
+    calls = []
+    tvm_ffi.structural_map(body, (tvm.ir.expr.Call, lambda c: calls.append(c) or c))
+    return any(c.op.same_as(_IF_THEN_ELSE) and any(a.same_as(load) for a in c.args)
+               for c in calls)
+
+
 def _window_guard(func):
     """``(guard, lo, hi, shape)``: the one guarded read of a parameter in ``func``'s ``acc``
     block (``if_then_else(cond, src[idx], 0)``) whose condition is exactly bounds of the
     source, with how far its indices reach below 0 (``lo``) and past the end (``hi``) per
     dim and the source's shape; None if there is no such read."""
-    realizes = []
-    tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
-    acc = next((r.block for r in realizes if r.block.name_hint == ACC), None)
+    acc = _acc_block(func)
     if acc is None:
         return None
     calls = []

@@ -45,6 +45,9 @@ CASES = {
                   "weights": "Goihw16g", "dst": "nChw16c", "post_ops": [{"kind": "bias"}]},
     "u8_blocked": {"op": "conv2d", "dtype": "uint8", "shape": [1, 30, 6, 7], "channels": 20,
                    "kernel": [3, 3], "pad": [1, 1], **BLK16, "post_ops": [{"kind": "bias"}]},
+    "u8_downsample": {"op": "conv2d", "dtype": "uint8", "shape": [1, 64, 7, 9], "channels": 20,
+                      "stride": [2, 2], "src": "nChw16c", "weights": "OIhw4i16o4i",
+                      "dst": "nChw16c", "post_ops": [{"kind": "bias"}]},
     "s8_plain": {"op": "conv2d", "dtype": "int8", "shape": [1, 3, 5, 5], "channels": 5,
                  "kernel": [3, 3], "src": "nchw", "weights": "oihw", "dst": "nchw",
                  "post_ops": [RELU]},
@@ -62,6 +65,11 @@ CASES = {
     "chunked_1x1": {"op": "conv2d", "shape": [1, 544, 5, 7], "channels": 20, **BLK16,
                     "sum": "nChw16c",
                     "post_ops": [{"kind": "bias"}, RELU, {"kind": "sum", "scale": 0.5}]},
+    # a ResNet downsample: 1x1, stride 2, read from a dense copy of every other row and column
+    # (halo.subsampled_source); odd rows and columns, 20 of 32 output channels, a sum
+    "downsample_1x1": {"op": "conv2d", "shape": [1, 30, 9, 11], "channels": 20, "stride": [2, 2],
+                       **BLK16, "sum": "nChw16c",
+                       "post_ops": [{"kind": "bias"}, {"kind": "sum"}, RELU]},
     "mm_packed": {"op": "matmul", "shape": [10, 30], "n": 20, "src": "ab", "weights": "BA16a16b",
                   "dst": "ab", "post_ops": [{"kind": "bias"}, RELU]},
     "mm_blocked": {"op": "matmul", "shape": [7, 30], "n": 40, "src": "aB16b",
@@ -79,7 +87,7 @@ POLICY_CASES = {   # the policies beside dst_fused, on the cases where they diff
     "dst_stage": ["blk16_chain", "groups2", "u8_blocked", "mm_blocked"],
     "on_handle": ["blk16_chain", "mm_blocked"],
     "src": ["blk16_chain", "blk8_7x7s2", "groups2", "u8_blocked", "mm_blocked", "mm_u8",
-            "chunked_1x1"],
+            "chunked_1x1", "downsample_1x1"],
 }
 RUNS = [("dst_fused", c) for c in CASES] + [(p, c) for p, cs in POLICY_CASES.items() for c in cs]
 
@@ -570,6 +578,20 @@ def test_register_tiled_hot_loop_has_no_guards_or_tails():
     update = script[script.index('T.sblock("acc_update")'):script.index('T.sblock("dst")')]
     assert "T.if_then_else" not in update and "T.where" not in update
     assert 'T.sblock("src_pad")' in script
+
+
+def test_strided_1x1_reads_a_dense_copy_of_its_rows_and_columns():
+    """A downsample 1x1 (stride 2) reads every other row and column: the schedule copies those
+    into a dense stage (``halo.subsampled_source``) that the reduction reads contiguously; a
+    3x3 with stride 2 reads the rows between too and keeps its source (numbers: the
+    ``downsample_1x1`` case)."""
+    sch = RegisterTiled().apply(_kernels(CASES["downsample_1x1"])[0].func, get_target("host"))
+    script = sch.mod["main"].script()
+    update = script[script.index('T.sblock("acc_update")'):script.index('T.sblock("dst")')]
+    assert 'T.sblock("src_sub")' in script and "src_sub[" in update and " src[" not in update
+    strided_3x3 = {**CASES["downsample_1x1"], "kernel": [3, 3], "pad": [1, 1]}
+    script = RegisterTiled().apply(_kernels(strided_3x3)[0].func, get_target("host")).mod["main"]
+    assert 'T.sblock("src_sub")' not in script.script()
 
 
 def test_register_tiled_cuts_partial_tiles_off():
