@@ -70,6 +70,9 @@ CASES = {
     "downsample_1x1": {"op": "conv2d", "shape": [1, 30, 9, 11], "channels": 20, "stride": [2, 2],
                        **BLK16, "sum": "nChw16c",
                        "post_ops": [{"kind": "bias"}, {"kind": "sum"}, RELU]},
+    # three output-channel blocks: tiles of all three (Config.mu = 3), 9 columns in tiles of 4
+    "three_blocks": {"op": "conv2d", "shape": [1, 30, 5, 9], "channels": 47, "kernel": [3, 3],
+                     "pad": [1, 1], **BLK16, "post_ops": [{"kind": "bias"}, RELU]},
     "mm_packed": {"op": "matmul", "shape": [10, 30], "n": 20, "src": "ab", "weights": "BA16a16b",
                   "dst": "ab", "post_ops": [{"kind": "bias"}, RELU]},
     "mm_blocked": {"op": "matmul", "shape": [7, 30], "n": 40, "src": "aB16b",
@@ -106,6 +109,7 @@ ODD_CASES = {
     "mm_odd_plain": {"op": "matmul", "shape": [19, 37], "n": 40, "src": "ab", "weights": "ba",
                      "dst": "ab"},
     "conv_ow_tail": CASES["ow_tail"],
+    "conv_three_blocks": CASES["three_blocks"],   # tiles of 3 x 16 output channels (mu = 3)
     # fused spatial padding that no staged copy replaces (dilation 2): the cut-off rows'
     # guards must be shifted with their indices (a fuzzed case, once 0.54 off)
     "conv_dilated_tail": {"op": "conv2d", "shape": [1, 3, 10, 13], "channels": 31,
@@ -592,6 +596,18 @@ def test_strided_1x1_reads_a_dense_copy_of_its_rows_and_columns():
     strided_3x3 = {**CASES["downsample_1x1"], "kernel": [3, 3], "pad": [1, 1]}
     script = RegisterTiled().apply(_kernels(strided_3x3)[0].func, get_target("host")).mod["main"]
     assert 'T.sblock("src_sub")' not in script.script()
+
+
+def test_three_output_blocks_share_each_broadcast():
+    """Output channels in three blocks (47 -> 3 x 16) take tiles of all three on AVX-512 (32
+    registers), at most 12 accumulators; four blocks take pairs; AVX2 keeps one block a tile
+    (numbers: the ``three_blocks`` case)."""
+    def first(channels, target):
+        func = _kernels({**CASES["three_blocks"], "channels": channels})[0].func
+        return RegisterTiled().configs(func, get_target(target))[0]
+    cfg = first(47, "avx512")
+    assert cfg.mu == 3 and cfg.mu * cfg.mr <= 12
+    assert first(64, "avx512").mu == 2 and first(47, "host").mu == 1
 
 
 def test_register_tiled_cuts_partial_tiles_off():
