@@ -57,14 +57,14 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
     p.add_argument("what", choices=["reorder", "ops", "resnet", "isa", "conv", "matmul", "model",
-                                             "calls", "conv-int8", "int8", "mixed"])
+                                             "calls", "conv-int8", "int8", "mixed", "layers"])
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
     p.add_argument("--target", default=None,
                    help="target of blockpad's kernels (ops, resnet, conv-int8; default: the widest "
                    "this CPU runs)")
-    p.add_argument("--model", default=None, help="bench model: the network (resnet18, "
+    p.add_argument("--model", default=None, help="bench model, layers: the network (resnet18, "
                    "resnet50 (default), resnet50_pruned, mobilenet_v2, efficientnet_b0, "
                    "densenet121); bench int8: resnet50 or mobilenet_v2 (default: both)")
     p.add_argument("--batch", type=int, default=1, help="bench model: batch size")
@@ -247,6 +247,11 @@ def _bench(args):
         model.main(args.model or "resnet50", args.batch, args.hw, repeat=args.repeat,
                    threads=args.threads, target=args.target,
                    conv_algorithm=args.conv_algorithm, processes=args.processes)
+        return
+    if args.what == "layers":   # a network layer by layer against ONNX Runtime, 1 thread
+        from .bench import layers
+
+        layers.main(args.model or "resnet50", rounds=args.repeat, target=args.target)
         return
     if args.what == "int8":   # int8 networks: blockpad, ONNX Runtime int8, blockpad fp32
         from .bench import int8

@@ -92,7 +92,7 @@ def quiet_thread_pools(threads: int | None = None) -> None:
 
 
 @contextmanager
-def _plan_calls(g, inputs: dict):
+def step_calls(g, inputs: dict):
     """``(label, call)`` of each step of ``g``'s plan for ``inputs``, bound by one run (every
     memory bound, every destination written once)."""
     runner = g.runner(**inputs)
@@ -104,7 +104,7 @@ def _plan_calls(g, inputs: dict):
 def step_times(g, inputs: dict, rounds: int = 5) -> dict:
     """Seconds per run of each step of ``g``'s plan for ``inputs`` (kernels, reorders, the
     policy's zero-pads at binding), averaged over ``rounds`` runs of the plan's calls."""
-    with _plan_calls(g, inputs) as steps:
+    with step_calls(g, inputs) as steps:
         out = {}
         for _ in range(rounds):
             for label, call in steps:
@@ -122,7 +122,7 @@ def hot_step_times(g, inputs: dict, repeat: int = 3) -> dict:
     1 thread) takes 0.19 ms in the network and 0.085 ms hot, 0.086 ms right after the stem that
     writes its source: its 1.6 MB destination's lines come from memory, evicted by the 17 MB
     of weights and activations the rest of an inference streams through the caches."""
-    with _plan_calls(g, inputs) as steps:
+    with step_calls(g, inputs) as steps:
         out = {}
         for label, call in steps:
             call()
