@@ -209,6 +209,26 @@ def _pack(g: Graph, plan) -> dict:
     return {k: (np.shape(g.constants[k]), list(v.values())) for k, v in out.items()}
 
 
+def _algorithms_picked(doc: dict, plan) -> dict:
+    """``doc`` with each convolution's ``algorithm = "auto"`` replaced by the plan's pick
+    (``winograd`` and its tile, or ``direct``), so that the built model runs the kernels and
+    packed weights it was built with whatever a later runtime's cost model would pick: a
+    runtime that planned ``auto`` again refused to load a model after the cost model changed
+    (it would read the weights in a layout the build did not pack)."""
+    picked = {}
+    for st in plan.steps:
+        sig = getattr(st.kernel, "signature", None)
+        if st.node is not None and sig is not None and sig.op == "conv2d":
+            tile = sig.params.get("winograd_tile") \
+                if sig.params.get("algorithm") == "winograd" else None
+            picked[st.node.name] = {"algorithm": "winograd", "winograd_tile": tile} \
+                if tile else {"algorithm": "direct"}
+    nodes = [{**n, "attrs": {**n["attrs"], **picked[n["name"]]}}
+             if n["op"] == "conv2d" and n["attrs"].get("algorithm") == "auto"
+             and n["name"] in picked else n for n in doc["nodes"]]
+    return {**doc, "nodes": nodes}
+
+
 def build_model(source, target="host", out_dir="build/model", force=False, log=None,
                 tuning_logs=None, conv_algorithm="auto") -> str:
     """Build ``source`` (a ``bp.Graph``, an ONNX path or ModelProto) for ``target`` (a name;
@@ -251,7 +271,7 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
         raise BuildError(f"{out_dir}: the plan over the built library differs from the probed "
                          f"one:\n{plan.describe()}")
     constants = _pack(g, plan)
-    rm.write_model(out_dir, doc, constants, lines,
+    rm.write_model(out_dir, _algorithms_picked(doc, plan), constants, lines,
                    {"build_key": key, "target": target.name, "kernels": len(requests)})
     size = sum(m.layout.nbytes for _, ms in constants.values() for m in ms)
     log(f"wrote {out_dir}: {len(requests)} kernels, {len(lines)} steps, weights "

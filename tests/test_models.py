@@ -178,6 +178,33 @@ def test_model_refuses_bad_inputs_and_damaged_folders(built, tmp_path):
 
 
 @needs_cross_compiler("neon")
+def test_a_built_model_keeps_the_algorithm_auto_picked(tmp_path, monkeypatch):
+    """``algorithm="auto"`` is resolved when the model is built: its document names the
+    pick (Winograd and its tile here), so a runtime whose cost model would now pick
+    otherwise still loads the model and runs the kernels and packed weights it was built with
+    (it refused to before: the planner read the weights in a layout the build had not
+    packed)."""
+    from blockpad import winograd
+
+    rng = np.random.default_rng(4)
+    c, hw = 48, 16
+    tile = winograd.choose(1, c, c, hw, hw)
+    assert tile is not None                                  # what the test relies on
+    w = (rng.standard_normal((c, c, 3, 3)) * 0.1).astype("float32")
+    g = bp.Graph(name="auto")
+    g.output(g.conv2d(g.input("x", (1, c, hw, hw)), g.constant("w", w), pad=1, name="conv",
+                      algorithm="auto"))
+    out = tmp_path / "auto"
+    build_model(g, "host", out, log=lambda m: None)
+    attrs = json.loads((out / MODEL).read_text())["graph"]["nodes"][0]["attrs"]
+    assert (attrs["algorithm"], attrs["winograd_tile"]) == ("winograd", tile)
+    monkeypatch.setattr(winograd, "choose", lambda *a: None)  # a later cost model: direct
+    x = rng.standard_normal((1, c, hw, hw)).astype("float32")
+    want = conv_reference(x.astype(np.float64), w.astype(np.float64),
+                          {"stride": (1, 1), "pad": (1, 1), "dilation": (1, 1), "groups": 1})
+    np.testing.assert_allclose(bp.load(out)(x), want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_model_builds_for_a_machine_it_cannot_run_on(tmp_path):
     """Ahead of time means for another machine: the build checks its plan over the library's
     manifest, never loading code this CPU cannot run (an Arm library here); loading it here
