@@ -8,7 +8,8 @@ micro-kernel is the classic one (oneDNN's jit convolutions, BLIS):
 * the destination's innermost physical dim (the channel block of ``nChw16c``, a panel of
   matmul columns) is the vector dim, ``nr`` elements in one or two registers; the dim outside
   it (``ow``, matmul rows) gives ``mr`` rows; for convolutions the output-channel block dim
-  may add ``mu = 2`` blocks, so each broadcast source element meets ``mu x nr / lanes``
+  may add ``mu = 2`` blocks (3 on AVX-512 where the blocks come in threes:
+  ``_panel_blocks``), so each broadcast source element meets ``mu x nr / lanes``
   weight vectors: ``mu x mr x nr`` accumulators (AVX2: 6 x 16 = 12 ymm; AVX-512: 2 x 8 x 16 =
   16 zmm, past which LLVM spills the unrolled loop);
 * ``dst`` is tiled so, and ``acc`` is computed per tile (``compute_at``) into a tile-sized
