@@ -47,20 +47,19 @@ def staged_source(func):
         return tirx.if_then_else(tirx.all(*inside), ph(*[x - a for x, a in zip(p, lo)]),
                                  tirx.const(0, dtype))
 
-    return _with_stage(func, te.create_prim_func([ph, te.compute(padded, value, name="src_pad")]),
-                       buf, padded, "src_pad", guarded,
+    return _with_stage(func, buf, ph, te.compute(padded, value, name="src_pad"), guarded,
                        lambda staged: tirx.BufferLoad(staged, [x + a for x, a in zip(idx, lo)]),
                        lambda reg: [tvm.ir.Range.from_min_extent(r.min + a, r.extent)
                                     for r, a in zip(reg.region, lo)])
 
 
-def _with_stage(func, stage_func, buf, shape, name, old, new_read, new_region):
-    """``func`` with ``stage_func`` (source -> copy) run first into a buffer ``name`` of
-    ``shape``, and the ``acc`` block's ``old`` read (a load, or the call guarding one) replaced
-    by ``new_read(copy)``; its read regions of ``buf`` become ``new_region(region)`` of the
-    copy."""
-    dtype = str(buf.ty.dtype)
-    staged = tirx.decl_buffer(shape, dtype, name)
+def _with_stage(func, buf, src, copy, old, new_read, new_region):
+    """``func`` with the TE stage ``copy`` (of the placeholder ``src``, standing for the
+    source buffer ``buf``) run first into a buffer of its name, shape and dtype, and the ``acc``
+    block's ``old`` read (a load, or the call guarding one) replaced by ``new_read(copy's
+    buffer)``; its read regions of ``buf`` become ``new_region(region)`` of the copy."""
+    stage_func = te.create_prim_func([src, copy])
+    staged = tirx.decl_buffer(copy.shape, copy.dtype, copy.op.name)
     rename = {stage_func.params[0]: buf, stage_func.params[1]: staged}
     stage = tvm_ffi.structural_map(
         stage_func.body.block.body,
@@ -96,8 +95,7 @@ def subsampled_source(func):
     stage = te.compute(dense, lambda *p: ph(*[p[d] * strided[d][0] if d in strided else p[d]
                                               for d in range(len(p))]), name="src_sub")
     new_idx = [strided[d][2] if d in strided else x for d, x in enumerate(idx)]
-    return _with_stage(func, te.create_prim_func([ph, stage]), buf, dense, "src_sub", load,
-                       lambda staged: tirx.BufferLoad(staged, new_idx),
+    return _with_stage(func, buf, ph, stage, load, lambda staged: tirx.BufferLoad(staged, new_idx),
                        lambda reg: [tvm.ir.Range.from_min_extent(strided[d][2], 1)
                                     if d in strided else r for d, r in enumerate(reg.region)])
 

@@ -43,9 +43,8 @@ def ort_to_steps(source, fused: list, steps: list) -> callable:
     step_of = {name: name for name in labels}
     for group in fused:
         label = next((m for m in group if m in labels), None)
-        for member in group:
-            if label is not None:
-                step_of[member] = label
+        if label is not None:
+            step_of.update(dict.fromkeys(group, label))
 
     def lookup(ort_name: str):
         node = producer.get(ort_name[:-len(NCHWC)]) if ort_name.endswith(NCHWC) \
@@ -70,6 +69,7 @@ def compare(onnx_path: str, model_dir: str, x: np.ndarray, rounds: int = 10) -> 
     import blockpad as bp
 
     model = bp.load(model_dir)
+    inputs = {next(iter(model.inputs)): x}
     with tempfile.TemporaryDirectory() as tmp:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 1
@@ -78,7 +78,7 @@ def compare(onnx_path: str, model_dir: str, x: np.ndarray, rounds: int = 10) -> 
         sess = ort.InferenceSession(onnx_path, opts, providers=["CPUExecutionProvider"])
         feed = {sess.get_inputs()[0].name: x}
         bp_ms, whole = {}, {"blockpad": [], "onnxruntime": []}
-        with step_calls(model.graph, {next(iter(model.inputs)): x}) as steps:
+        with step_calls(model.graph, inputs) as steps:
             for _ in range(rounds + 1):     # the first round warms both up and is dropped
                 t0 = time.perf_counter()
                 sess.run(None, feed)
@@ -96,8 +96,8 @@ def compare(onnx_path: str, model_dir: str, x: np.ndarray, rounds: int = 10) -> 
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
             ort_ms.setdefault(e["name"][:-len("_kernel_time")], []).append(e["dur"] / 1e3)
-    fused = [names.split(" + ") for names in model.run(x).report.fused]
-    to_step = ort_to_steps(onnx.load(onnx_path, load_external_data=False), fused, labels)
+    to_step = ort_to_steps(onnx.load(onnx_path, load_external_data=False),
+                           model.graph.plan(**inputs).fused, labels)
     per_step: dict = {}
     ort_only = {}
     for name, times in ort_ms.items():

@@ -382,9 +382,7 @@ def _sum_inplace(rng, entry):
     """In place over the first sum with probability 1/4, where it has dst's type (its layout
     is dst's already): oneDNN's sum post-op accumulating into the destination's memory."""
     sums = [p for p in entry["post_ops"] if p["kind"] == "sum"]
-    if sums and "dt" not in sums[0] and rng.random() < 0.25:
-        entry["inplace"] = True
-    return entry
+    return _inplace(rng, entry, "sum") if sums and "dt" not in sums[0] else entry
 
 
 def _quant(rng, entry):
