@@ -184,31 +184,19 @@ def _nonzeros(mat) -> int:
     return sum(1 for row in mat for v in row if v != 0)
 
 
-#: ``estimate`` rules Winograd out below this many input channels where C or K is not a
-#: multiple of ``WHOLE_CHANNELS`` (AVX2's vector)
-FEW_CHANNELS = 64
-WHOLE_CHANNELS = 8
-
-
 def estimate(n, c, k, oh, ow, m=None) -> float:
     """Estimated seconds of a 3x3 stride-1 convolution with an ``oh`` x ``ow`` output: direct
     (``m`` None) or F(m x m, 3x3): the GEMM's 2 (m + 2)^2 C K flops per tile, the transforms'
     (2 (m + 2) nnz(B^T) C + (2 m + 2) nnz(A^T) K) per tile, the transformed weights'
     4 (m + 2)^2 C K bytes, each at its measured rate (``RATES``).
 
-    Infinite for Winograd with few input channels (``FEW_CHANNELS``) where C or K is not a
-    multiple of ``WHOLE_CHANNELS``: the transforms run over the logical channels, a partial
-    vector of them costs far more than its share, and with few channels the transforms are
-    most of the work. Measured on a Cascade Lake (avx512, 1 thread, a channel-pruned
-    ResNet-50 in one process, the builds alternating): 40 -> 41 at 56x56 1.44 ms with F(4x4),
-    0.96 direct; 44 -> 51 1.58 / 1.37. With more channels Winograd kept winning inside the
-    network even where a kernel benchmark with a cache flush said otherwise (92 -> 78 at
-    28x28: 0.88 ms F(4x4), 1.07 direct; 206 -> 224 at 14x14 F(2x2) 1.11, direct 1.31).
-    Transforms over whole padded blocks would take the small ones back (not done)."""
+    Ragged channel counts cost no more than their share: the input transform runs over whole
+    channel blocks of a blocked source and the output transform selects the destination's
+    channel padding (codegen/ops/winograd.py), so a channel-pruned ResNet-50's 40 -> 41 at
+    56x56 takes 0.54 ms with F(4x4) against 0.88 direct (Cascade Lake, avx512, 1 thread;
+    1.44 ms before, with partial vectors of logical channels)."""
     if m is None:
         return 2 * 9 * c * k * n * oh * ow / RATES["direct"]
-    if c < FEW_CHANNELS and (c % WHOLE_CHANNELS or k % WHOLE_CHANNELS):
-        return math.inf
     at, _, bt = matrices(m)
     a = m + 2
     tiles = n * -(-oh // m) * -(-ow // m)
