@@ -8,8 +8,9 @@ micro-kernel is the classic one (oneDNN's jit convolutions, BLIS):
 * the destination's innermost physical dim (the channel block of ``nChw16c``, a panel of
   matmul columns) is the vector dim, ``nr`` elements in one or two registers; the dim outside
   it (``ow``, matmul rows) gives ``mr`` rows; for convolutions the output-channel block dim
-  may add ``mu = 2`` blocks (3 on AVX-512 where the blocks come in threes:
-  ``_panel_blocks``), so each broadcast source element meets ``mu x nr / lanes``
+  may add ``mu = 2`` blocks (3 on AVX-512 where the blocks come in threes, pairs and a
+  one-block part cut off where they do neither: ``_panel_blocks``, ``tile_edges.edge_parts``),
+  so each broadcast source element meets ``mu x nr / lanes``
   weight vectors: ``mu x mr x nr`` accumulators (AVX2: 6 x 16 = 12 ymm; AVX-512: 2 x 8 x 16 =
   16 zmm, past which LLVM spills the unrolled loop);
 * ``dst`` is tiled so, and ``acc`` is computed per tile (``compute_at``) into a tile-sized
@@ -65,7 +66,7 @@ from .common import REDUCE, SPATIAL, is_true, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source, subsampled_source
 from .rule import ScheduleRule, distinct
-from .tile_edges import edge_parts, extent, unpredicated, whole_tiles
+from .tile_edges import edge_parts, extent, realize_of, unpredicated, whole_tiles
 from .vector_math import vector_math
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
@@ -128,7 +129,7 @@ class RegisterTiled(ScheduleRule):
             return []
         out = tile_configs(nest.t_extent, nest.v_extent, nest.u_extent,
                            vector_lanes(target, nest.dtype), target.tile_registers,
-                           nest.predicated)
+                           nest.predicated, edges=True)
         if not nest.predicated and rows_outer_pays(nest.src_bytes, nest.w_bytes):
             out.insert(0, dataclasses.replace(out[0], rows_outer=True))
         chunked = chunk_plan(nest.channels, out[0]) if not nest.predicated else None
@@ -174,7 +175,7 @@ def chunk_plan(shape: ChannelPasses | None, cfg: Config):
     Xeon (Cascade Lake, avx512, 1 thread), 1x1 1024 -> 256 at 14x14: 96-106 -> 117-128 GFLOP/s
     with 64 or 128 channels per chunk (256: 103-111). None where there is no second chunk, no
     row dim apart from the panels, or the chunk would not divide the channel blocks."""
-    if shape is None or cfg.mu > 1 and shape.panels % cfg.mu:
+    if shape is None:
         return None
     per_block = shape.taps * shape.block * cfg.mu * cfg.nr * shape.itemsize
     if shape.blocks * per_block <= 2 * CHUNK_BYTES:
@@ -189,14 +190,16 @@ def chunk_plan(shape: ChannelPasses | None, cfg: Config):
     return chunk, rows
 
 
-def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False) -> list:
+def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False,
+                 edges=False) -> list:
     """The ranked micro-kernel Configs of a nest: ``t_extent`` rows, ``v_extent`` columns,
-    ``u_extent`` column blocks outside the tile (1: none), ``regs`` vector registers; the best
+    ``u_extent`` column blocks outside the tile (1: none), ``regs`` vector registers, whether
+    the caller cuts off column blocks that tiles of several leave over (``edges``); the best
     first, then its neighbours (also the GEMM of schedules/winograd.py)."""
     widths = [v_extent] if predicated else _tile_widths(v_extent, lanes)
     out = []
     for nr in widths:
-        for mu in (1,) if predicated else sorted({1, _panel_blocks(u_extent, regs)}):
+        for mu in (1,) if predicated else sorted({1, _panel_blocks(u_extent, regs, edges)}):
             vecs = mu * -(-nr // lanes)
             most = max(1, accumulators(regs, vecs)[0] // vecs)
             if vecs >= 3:   # three weight vectors live: 12 accumulators (see _panel_blocks)
@@ -211,15 +214,19 @@ def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False) ->
     return out
 
 
-def _panel_blocks(u_extent: int, regs: int) -> int:
+def _panel_blocks(u_extent: int, regs: int, edges: bool = False) -> int:
     """Output-channel blocks a tile may take beside 1 (``Config.mu``): 2 where they pair up,
     else 3 where they come in threes, as a channel-pruned network's counts often do, with 32
     vector registers (AVX2's 16 would hold three weight vectors and few accumulators). Measured
     on a Cascade Lake (avx512, 1 thread, a cache flush before each call): the 7x7 stem to 48
     channels 2.44 -> 1.56 ms (tiles of one block ran it slower than 64 channels in tiles of
     two), 1x1 213 -> 44 at 56x56 0.96 -> 0.69, 860 -> 227 at 14x14 1.01 -> 0.93; with 5 x 3
-    accumulators instead of 4 x 3 the 56-wide one ran 1.14 ms (``tile_configs`` keeps 12)."""
-    return 2 if u_extent % 2 == 0 else 3 if u_extent % 3 == 0 and regs >= 32 else 1
+    accumulators instead of 4 x 3 the 56-wide one ran 1.14 ms (``tile_configs`` keeps 12).
+    Any other count past 2 takes pairs too where the caller cuts the last block off into a
+    part of its own (``edges``: ``tile_edges.edge_parts``)."""
+    if u_extent % 2 == 0 or edges and u_extent > 2 and (u_extent % 3 or regs < 32):
+        return 2
+    return 3 if u_extent % 3 == 0 and regs >= 32 else 1
 
 
 def _schedule(func, target, cfg: Config, tails=False):
@@ -230,7 +237,11 @@ def _schedule(func, target, cfg: Config, tails=False):
     func = unpredicated(func, ACC)
     if not cfg.rows_outer:   # each panel reads the source: a strided one from a dense copy
         func = subsampled_source(func)
-    func, parts = edge_parts(staged_source(func), cfg)
+    func = staged_source(func)
+    block = realize_of(func, ACC).block
+    n_sp = sum(1 for iv in block.iter_vars if int(iv.iter_type) == SPATIAL)
+    panel = _weights_block_dim(block, n_sp)
+    func, parts = edge_parts(func, cfg, n_sp - panel if panel is not None else None)
     whole = True
     for i, (acc, dst, c) in enumerate(parts):
         func, part_whole = whole_tiles(func, acc, c.mr, c.nr)

@@ -73,6 +73,10 @@ CASES = {
     # three output-channel blocks: tiles of all three (Config.mu = 3), 9 columns in tiles of 4
     "three_blocks": {"op": "conv2d", "shape": [1, 30, 5, 9], "channels": 47, "kernel": [3, 3],
                      "pad": [1, 1], **BLK16, "post_ops": [{"kind": "bias"}, RELU]},
+    # five output-channel blocks: tiles of two, the fifth block cut off into a part of its own
+    # (tile_edges.edge_parts), 70 of 80 channels; chunked passes over 544 input channels
+    "five_blocks": {"op": "conv2d", "shape": [1, 544, 5, 7], "channels": 70, **BLK16,
+                    "sum": "nChw16c", "post_ops": [{"kind": "bias"}, {"kind": "sum"}, RELU]},
     "mm_packed": {"op": "matmul", "shape": [10, 30], "n": 20, "src": "ab", "weights": "BA16a16b",
                   "dst": "ab", "post_ops": [{"kind": "bias"}, RELU]},
     "mm_blocked": {"op": "matmul", "shape": [7, 30], "n": 40, "src": "aB16b",
@@ -90,7 +94,7 @@ POLICY_CASES = {   # the policies beside dst_fused, on the cases where they diff
     "dst_stage": ["blk16_chain", "groups2", "u8_blocked", "mm_blocked"],
     "on_handle": ["blk16_chain", "mm_blocked"],
     "src": ["blk16_chain", "blk8_7x7s2", "groups2", "u8_blocked", "mm_blocked", "mm_u8",
-            "chunked_1x1", "downsample_1x1"],
+            "chunked_1x1", "downsample_1x1", "five_blocks"],
 }
 RUNS = [("dst_fused", c) for c in CASES] + [(p, c) for p, cs in POLICY_CASES.items() for c in cs]
 
@@ -110,6 +114,7 @@ ODD_CASES = {
                      "dst": "ab"},
     "conv_ow_tail": CASES["ow_tail"],
     "conv_three_blocks": CASES["three_blocks"],   # tiles of 3 x 16 output channels (mu = 3)
+    "conv_five_blocks": CASES["five_blocks"],     # tiles of 2 blocks, the fifth cut off
     # fused spatial padding that no staged copy replaces (dilation 2): the cut-off rows'
     # guards must be shifted with their indices (a fuzzed case, once 0.54 off)
     "conv_dilated_tail": {"op": "conv2d", "shape": [1, 3, 10, 13], "channels": 31,
@@ -608,6 +613,19 @@ def test_three_output_blocks_share_each_broadcast():
     cfg = first(47, "avx512")
     assert cfg.mu == 3 and cfg.mu * cfg.mr <= 12
     assert first(64, "avx512").mu == 2 and first(47, "host").mu == 1
+
+
+def test_odd_output_blocks_take_pairs_and_cut_the_last_off():
+    """Five output-channel blocks (70 channels) take tiles of two on AVX-512; the fifth block
+    is a part of its own with one-block tiles, so no tile is predicated (numbers: the
+    ``five_blocks`` case, ``conv_five_blocks`` for AVX-512). AVX2's two-vector blocks keep
+    one block a tile (``three_blocks``'s reason)."""
+    func = _kernels(CASES["five_blocks"])[0].func
+    assert RegisterTiled().configs(func, get_target("avx512"))[0].mu == 2
+    assert RegisterTiled().configs(func, get_target("host"))[0].mu == 1
+    script = RegisterTiled().apply(func, get_target("avx512")).mod["main"].script()
+    assert 'T.sblock("acc_panels_update")' in script or 'T.sblock("acc_panels")' in script
+    assert 'T.sblock("dst_panels")' in script
 
 
 def test_register_tiled_cuts_partial_tiles_off():
