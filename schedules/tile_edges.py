@@ -45,12 +45,7 @@ def edge_parts(func, cfg, panel=None):
       fall back to one vector (25% at 1000^3). A panel that overhangs by whole vectors
       (1000 = 62 x 16 + 8 on AVX2) keeps them: their predicate is the same for every lane, the
       stores stay vector stores."""
-    parts = [(ACC, DST, cfg)]
-    blocks = extent(func, DST, panel) if panel is not None else 1
-    if cfg.mu > 1 and blocks % cfg.mu:
-        func = _cut(func, ACC, DST, panel, blocks // cfg.mu * cfg.mu, "_panels")
-        parts.append((ACC + "_panels", DST + "_panels",
-                      dataclasses.replace(cfg, mu=blocks % cfg.mu)))
+    func, parts = panel_parts(func, cfg, panel)
     rows = extent(func, DST, 2)
     if cfg.mr > CLAMPED_ROWS and rows > cfg.mr and rows % cfg.mr:
         for acc, dst, c in list(parts):
@@ -63,6 +58,19 @@ def edge_parts(func, cfg, panel=None):
             func = _cut(func, acc, dst, 1, cols // cfg.nr * cfg.nr, "_cols")
             nr = -(-(cols % cfg.nr) // cfg.lanes) * cfg.lanes
             parts.append((acc + "_cols", dst + "_cols", dataclasses.replace(c, nr=nr)))
+    return func, parts
+
+
+def panel_parts(func, cfg, panel, acc=ACC, dst=DST):
+    """(``func``, ``[(acc, dst, cfg)]`` and, where ``cfg.mu`` blocks a tile leave some of the
+    ``panel`` dim's blocks over, the part that takes them): ``edge_parts``'s first cut, also
+    the Winograd GEMM's (schedules/winograd.py)."""
+    parts = [(acc, dst, cfg)]
+    blocks = extent(func, dst, panel) if panel is not None else 1
+    if cfg.mu > 1 and blocks % cfg.mu:
+        func = _cut(func, acc, dst, panel, blocks // cfg.mu * cfg.mu, "_panels")
+        parts.append((acc + "_panels", dst + "_panels",
+                      dataclasses.replace(cfg, mu=blocks % cfg.mu)))
     return func, parts
 
 
@@ -154,7 +162,7 @@ def _cut(func, acc, dst, back, width, suffix):
     d = len(shape) - back
     edge_buf = tirx.decl_buffer([*shape[:d], shape[d] - width, *shape[d + 1:]],
                                 str(acc_buf.ty.dtype), acc_buf.name + suffix)
-    main, edge = [], []
+    main, edge, last = [], [], 0
     for stmt in stmts:
         realizes = []
         tvm_ffi.structural_map(stmt, (s_tir.SBlockRealize,
@@ -162,10 +170,13 @@ def _cut(func, acc, dst, back, width, suffix):
         if any(r.block.name_hint in (acc, dst) for r in realizes):
             main.append(_range(stmt, back, width))
             edge.append(_range(stmt, back, width, suffix, {acc_buf: edge_buf}))
+            last = len(main)
         else:
             main.append(stmt)
+    # the copies right after the pair: a later stage may read what ``dst`` writes
+    body = main[:last] + edge + main[last:]
     root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
-                        tirx.SeqStmt(main + edge), root.init, [*root.alloc_buffers, edge_buf],
+                        tirx.SeqStmt(body), root.init, [*root.alloc_buffers, edge_buf],
                         root.match_buffers, root.annotations)
     return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
 

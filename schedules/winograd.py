@@ -37,6 +37,7 @@ from .vector_math import vector_math
 
 ATTR = "blockpad.winograd"
 STAGES = ("wino_dt", "wino_v", "wino_acc", "wino_m", "wino_t", "dst")
+PANEL = 3   # the GEMM's panel dim, counted from the last (eps, nu, panel, tile, column)
 
 
 class Winograd(ScheduleRule):
@@ -70,17 +71,22 @@ def configs(func, target) -> list:
     block = sch.get(sch.get_sblock("wino_acc"))
     _, _, panels, tiles, cols = (int(iv.dom.extent) for iv in block.iter_vars[:5])
     lanes = vector_lanes(target, str(block.writes[0].source.dtype))
-    return register_tiled.tile_configs(tiles, cols, panels, lanes, target.tile_registers)
+    return register_tiled.tile_configs(tiles, cols, panels, lanes, target.tile_registers,
+                                       edges=True)
 
 
 def _schedule(func, target, cfg, facts):
-    func, _ = tile_edges.whole_tiles(func, "wino_acc", cfg.mr, cfg.nr)
+    # panels that tiles of cfg.mu leave over: a GEMM of their own (tile_edges.panel_parts)
+    func, parts = tile_edges.panel_parts(func, cfg, PANEL, "wino_acc", "wino_m")
+    for acc, _, c in parts:
+        func, _ = tile_edges.whole_tiles(func, acc, c.mr, c.nr)
     sch = s_tir.Schedule(func)
     lanes = cfg.lanes
+    names = {*STAGES, *(name for part in parts for name in part[:2])}
     try:
-        others = [b for b in root_blocks(sch) if sch.get(b).name_hint not in STAGES]
-        register_tiled._tile(sch, sch.get_sblock("wino_acc"), sch.get_sblock("wino_m"), cfg,
-                             target)
+        others = [b for b in root_blocks(sch) if sch.get(b).name_hint not in names]
+        for acc, m, c in parts:
+            register_tiled._tile(sch, sch.get_sblock(acc), sch.get_sblock(m), c, target)
         _input_transform(sch, lanes)
         _output_transform(sch, lanes, facts)
         for block in others:   # per-channel copies (bias)

@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 
 import blockpad as bp
+from blockpad import machine
 from blockpad import winograd as wino
 from blockpad.codegen.build import make_kernels
 from blockpad.codegen.spec import parse_spec
+from blockpad.codegen.targets import get_target
 from blockpad.errors import ArgumentError, SpecError
 from blockpad.runtime.graph.ops import conv_ref
+from blockpad.schedules.winograd import Winograd
 from blockpad.testing import qemu
 from blockpad.vocabulary import POLICIES
 
@@ -280,6 +283,21 @@ def test_avx512_gemm_is_zmm_fmas(tmp_path):
     fmas = [i for i in code if "vfmadd" in i]
     assert fmas and all("zmm" in i for i in fmas if "vfmadd231ps" in i)
     assert sum("zmm" in i for i in fmas) >= 32
+
+
+def test_avx512_gemm_cuts_an_odd_panel_off(tmp_path, rng):
+    """70 output channels are 5 panels of 16: the GEMM takes them two a tile and the fifth in
+    a GEMM of its own (``tile_edges.panel_parts``); the numbers match numpy where this CPU
+    runs AVX-512."""
+    spec = {"kernel": [_conv("odd", (1, 20, 6, 9), 70, "nChw16c", "hwOi16o", 4)]}
+    func = make_kernels(parse_spec(spec).kernels[0])[0].func
+    script = Winograd().schedule(func, get_target("avx512")).mod["main"].script()
+    assert 'T.sblock("wino_acc_panels_update")' in script
+    if "avx512f" not in machine.cpu_features():
+        pytest.skip("numbers: this CPU has no avx512f (the schedule is checked above)")
+    bp.build(parse_spec(spec), "avx512", tmp_path, log=lambda m: None)
+    got, ref, _ = _run(bp.load(tmp_path), "odd", rng)
+    assert np.abs(got - ref).max() / np.abs(ref).max() <= wino.error_bound(4, 20)
 
 
 @pytest.mark.skipif(bool(qemu.missing_tools()), reason="aarch64 toolchain / emulator not "
