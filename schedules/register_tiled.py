@@ -373,7 +373,7 @@ def _tile_loops(sch, dst, cfg: Config, u, panel=None) -> list:
     """Split ``dst``'s loops into ``mr x nr`` (x ``mu``) tiles; return the loops outside the
     tile: column panels outermost, the tile's rows last; with ``panel`` (the index of the
     panel loop) the panels inside the image rows instead."""
-    loops = sch.get_loops(dst)
+    loops = sch.get_loops(dst)[-len(sch.get(dst).iter_vars):]   # not those it is computed at
     v_extent = int(sch.get(loops[-1]).extent)
     *outer, t, v = loops
     tile = []

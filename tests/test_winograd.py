@@ -19,6 +19,7 @@ from blockpad.codegen.spec import parse_spec
 from blockpad.codegen.targets import get_target
 from blockpad.errors import ArgumentError, SpecError
 from blockpad.runtime.graph.ops import conv_ref
+from blockpad.schedules import winograd as winograd_schedules
 from blockpad.schedules.winograd import Winograd
 from blockpad.testing import qemu
 from blockpad.vocabulary import POLICIES
@@ -298,6 +299,18 @@ def test_avx512_gemm_cuts_an_odd_panel_off(tmp_path, rng):
     bp.build(parse_spec(spec), "avx512", tmp_path, log=lambda m: None)
     got, ref, _ = _run(bp.load(tmp_path), "odd", rng)
     assert np.abs(got - ref).max() / np.abs(ref).max() <= wino.error_bound(4, 20)
+
+
+def test_stages_run_in_bands_of_tile_rows_where_the_weights_fit_in_l2():
+    """64 -> 64 at 56x56 (590 KB of F(4x4) weights): the transforms and the GEMM run a row
+    of tiles at a time, their scratch in L2 between the stages; with 2.4 MB of weights
+    (128 -> 128 at 28x28) every band would read them all again: one pass. The numbers of
+    banded kernels: the small cases above (bands of one row of two)."""
+    def band(c, hw):
+        spec = {"kernel": [_conv("b", (1, c, hw, hw), c, "nChw16c", "hwOi16o", 4)]}
+        func = make_kernels(parse_spec(spec).kernels[0])[0].func
+        return winograd_schedules._band_rows(func, winograd_schedules._facts(func))
+    assert band(64, 56) == 1 and band(128, 28) == 0
 
 
 @pytest.mark.skipif(bool(qemu.missing_tools()), reason="aarch64 toolchain / emulator not "
