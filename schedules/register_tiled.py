@@ -9,7 +9,7 @@ micro-kernel is the classic one (oneDNN's jit convolutions, BLIS):
   matmul columns) is the vector dim, ``nr`` elements in one or two registers; the dim outside
   it (``ow``, matmul rows) gives ``mr`` rows; for convolutions the output-channel block dim
   may add ``mu = 2`` blocks (3 on AVX-512 where the blocks come in threes, pairs and a
-  one-block part cut off where they do neither: ``_panel_blocks``, ``tile_edges.edge_parts``),
+  one-block part cut off where they do neither: ``_panel_blocks``, ``tile_edges.panel_parts``),
   so each broadcast source element meets ``mu x nr / lanes``
   weight vectors: ``mu x mr x nr`` accumulators (AVX2: 6 x 16 = 12 ymm; AVX-512: 2 x 8 x 16 =
   16 zmm, past which LLVM spills the unrolled loop);
@@ -129,7 +129,7 @@ class RegisterTiled(ScheduleRule):
             return []
         out = tile_configs(nest.t_extent, nest.v_extent, nest.u_extent,
                            vector_lanes(target, nest.dtype), target.tile_registers,
-                           nest.predicated, edges=True)
+                           nest.predicated)
         if not nest.predicated and rows_outer_pays(nest.src_bytes, nest.w_bytes):
             out.insert(0, dataclasses.replace(out[0], rows_outer=True))
         chunked = chunk_plan(nest.channels, out[0]) if not nest.predicated else None
@@ -190,16 +190,15 @@ def chunk_plan(shape: ChannelPasses | None, cfg: Config):
     return chunk, rows
 
 
-def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False,
-                 edges=False) -> list:
+def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False) -> list:
     """The ranked micro-kernel Configs of a nest: ``t_extent`` rows, ``v_extent`` columns,
-    ``u_extent`` column blocks outside the tile (1: none), ``regs`` vector registers, whether
-    the caller cuts off column blocks that tiles of several leave over (``edges``); the best
-    first, then its neighbours (also the GEMM of schedules/winograd.py)."""
+    ``u_extent`` column blocks outside the tile (1: none), ``regs`` vector registers; the best
+    first, then its neighbours (also the GEMM of schedules/winograd.py). Callers cut off the
+    column blocks that tiles of several leave over (``tile_edges.panel_parts``)."""
     widths = [v_extent] if predicated else _tile_widths(v_extent, lanes)
     out = []
     for nr in widths:
-        for mu in (1,) if predicated else sorted({1, _panel_blocks(u_extent, regs, edges)}):
+        for mu in (1,) if predicated else sorted({1, _panel_blocks(u_extent, regs)}):
             vecs = mu * -(-nr // lanes)
             most = max(1, accumulators(regs, vecs)[0] // vecs)
             if vecs >= 3:   # three weight vectors live: 12 accumulators (see _panel_blocks)
@@ -214,7 +213,7 @@ def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False,
     return out
 
 
-def _panel_blocks(u_extent: int, regs: int, edges: bool = False) -> int:
+def _panel_blocks(u_extent: int, regs: int) -> int:
     """Output-channel blocks a tile may take beside 1 (``Config.mu``): 2 where they pair up,
     else 3 where they come in threes, as a channel-pruned network's counts often do, with 32
     vector registers (AVX2's 16 would hold three weight vectors and few accumulators). Measured
@@ -222,9 +221,9 @@ def _panel_blocks(u_extent: int, regs: int, edges: bool = False) -> int:
     channels 2.44 -> 1.56 ms (tiles of one block ran it slower than 64 channels in tiles of
     two), 1x1 213 -> 44 at 56x56 0.96 -> 0.69, 860 -> 227 at 14x14 1.01 -> 0.93; with 5 x 3
     accumulators instead of 4 x 3 the 56-wide one ran 1.14 ms (``tile_configs`` keeps 12).
-    Any other count past 2 takes pairs too where the caller cuts the last block off into a
-    part of its own (``edges``: ``tile_edges.edge_parts``)."""
-    if u_extent % 2 == 0 or edges and u_extent > 2 and (u_extent % 3 or regs < 32):
+    Any other count past 2 takes pairs too, the last block cut off into a part of its own
+    (``tile_edges.panel_parts``)."""
+    if u_extent % 2 == 0 or u_extent > 2 and (u_extent % 3 or regs < 32):
         return 2
     return 3 if u_extent % 3 == 0 and regs >= 32 else 1
 
@@ -315,7 +314,7 @@ def _nest_shape(func) -> Nest | None:
     pred = _realize(sch, dst).predicate
     u = _weights_block_dim(block, n_sp)
     # no reads at all where every window lies in the spatial padding
-    src, weights = ([_bytes(r.source) for r in block.reads[:2]] + [0, 0])[:2]
+    src, weights = ([buffer_bytes(r.source) for r in block.reads[:2]] + [0, 0])[:2]
     return Nest(extents[-2], extents[-1], str(block.writes[0].source.dtype), not is_true(pred),
                 extents[u] if u is not None else 1, src, weights, _channel_passes(block, n_sp, u))
 
@@ -334,7 +333,8 @@ def _channel_passes(block, n_sp: int, u) -> ChannelPasses | None:
                          itemsize=tvm.DataType(block.writes[0].source.dtype).bits // 8)
 
 
-def _bytes(buf) -> int:
+def buffer_bytes(buf) -> int:
+    """Bytes of ``buf`` (also the Winograd rule's band budget)."""
     return math.prod(int(n) for n in buf.shape) * tvm.DataType(buf.dtype).bits // 8
 
 

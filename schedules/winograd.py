@@ -29,9 +29,6 @@ a func without it is not this rule's.
 
 from __future__ import annotations
 
-import math
-
-import tvm
 from tvm import s_tir
 
 from . import register_tiled, tile_edges
@@ -79,8 +76,7 @@ def configs(func, target) -> list:
     block = sch.get(sch.get_sblock("wino_acc"))
     _, _, panels, tiles, cols = (int(iv.dom.extent) for iv in block.iter_vars[:5])
     lanes = vector_lanes(target, str(block.writes[0].source.dtype))
-    return register_tiled.tile_configs(tiles, cols, panels, lanes, target.tile_registers,
-                                       edges=True)
+    return register_tiled.tile_configs(tiles, cols, panels, lanes, target.tile_registers)
 
 
 def _schedule(func, target, cfg, facts):
@@ -114,24 +110,22 @@ def _band_rows(func, facts) -> int:
     """Rows of output tiles the three stages run at a time (0: all at once), so that the
     transformed source and products of a band stay in L2 from one stage to the next: where
     the weights fit in L2 beside them (each band reads all of them again), the most rows
-    whose scratch fits in ``min(L2 - weights, L2 / 2)`` and divide the rows. Measured with the caches flushed
-    before each call, as inside a network (Cascade Lake, avx512, 1 thread, F(4x4)): 64 -> 64
-    at 56x56 1.80 -> 0.96 ms in bands of one row, 40 -> 41 0.97 -> 0.61 in bands of two (of
-    four: 0.71); with 2.4 MB of weights (128 -> 128 at 28x28) bands of two ran 1.19 -> 1.25,
-    with 6.6 MB (206 -> 224 at 14x14) bands of one 1.57 -> 2.52."""
+    whose scratch fits in ``min(L2 - weights, L2 / 2)`` and divide the rows. Measured with
+    the caches flushed before each call, as inside a network (Cascade Lake, avx512, 1 thread,
+    F(4x4)): 64 -> 64 at 56x56 1.80 -> 0.96 ms in bands of one row, 40 -> 41 0.97 -> 0.61 in
+    bands of two (of four: 0.71); with 2.4 MB of weights (128 -> 128 at 28x28) bands of two
+    ran 1.19 -> 1.25, with 6.6 MB (206 -> 224 at 14x14) bands of one 1.57 -> 2.52."""
     bufs = {b.name: b for b in func.body.block.alloc_buffers}
-    weights = _bytes(func.params[1])
+    weights = register_tiled.buffer_bytes(func.params[1])
     dst = func.params[-1].ty.shape
     rows = -(-int(dst[facts["h"]]) // facts["tile"])    # of tiles, per image
-    row_bytes = (_bytes(bufs["wino_v"]) + _bytes(bufs["wino_m"])) / (int(dst[0]) * rows)
+    scratch = register_tiled.buffer_bytes(bufs["wino_v"]) + \
+        register_tiled.buffer_bytes(bufs["wino_m"])
+    row_bytes = scratch / (int(dst[0]) * rows)
     budget = min(register_tiled.L2_BYTES - weights, register_tiled.L2_BYTES // 2)
     most = int(budget // row_bytes) if budget > 0 else 0
     band = max((d for d in range(1, min(most, rows - 1) + 1) if rows % d == 0), default=0)
     return band   # a divisor of the rows: a partial last band defeats compute_at
-
-
-def _bytes(buf) -> int:
-    return math.prod(int(x) for x in buf.ty.shape) * tvm.DataType(buf.ty.dtype).bits // 8
 
 
 def _input_transform(sch, lanes):

@@ -144,8 +144,7 @@ def make(layouts, name, policy, geo, post_ops, tile=DEFAULT_TILE):
             inside = []
             if dst.padded_shape[1] + dst.paddings[1][1] > geo.k:
                 inside.append(k < geo.k)
-                if dst.padded_shape[1] + dst.paddings[1][1] > kp:
-                    k = tirx.min(k, kp - 1)
+                k = tirx.min(k, kp - 1)
             if any(dst.paddings[2]):
                 inside += [h >= 0, h < oh]
                 h = tirx.min(tirx.max(h, 0), oh - 1)
