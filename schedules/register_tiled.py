@@ -353,20 +353,21 @@ def _weights_block_dim(block, n_sp):
     return None
 
 
-def _tile(sch, acc, dst, cfg: Config, target):
+def _tile(sch, acc, dst, cfg: Config, target, parallel: bool = True):
     """Tile ``dst`` in ``mr x nr`` tiles and compute ``acc`` per tile as the register-tiled
-    micro-kernel."""
+    micro-kernel; the loops outside the tile parallel unless ``dst`` is computed inside a
+    parallel loop already (``parallel`` False: the Winograd rule's bands)."""
     n_dims = len(sch.get_loops(dst))
     panel = _weights_block_dim(sch.get(acc), n_dims)
     u = panel if cfg.mu > 1 else None
     if cfg.chunk:
-        _chunked(sch, acc, dst, cfg, u, n_dims)
+        _chunked(sch, acc, dst, cfg, u, n_dims, parallel)
         return
     outer = _tile_loops(sch, dst, cfg, u, panel if cfg.rows_outer else None)
     sch.compute_at(acc, outer[-1], preserve_unit_loops=True)
     sch.set_scope(acc, 0, tile_scope(target))
     threads = outer if cfg.parallel_tiles or len(outer) < 2 else outer[:-1]
-    _micro_kernel(sch, acc, dst, threads, u, n_dims, cfg)
+    _micro_kernel(sch, acc, dst, threads, u, n_dims, cfg, parallel)
 
 
 def _tile_loops(sch, dst, cfg: Config, u, panel=None) -> list:
@@ -392,11 +393,11 @@ def _tile_loops(sch, dst, cfg: Config, u, panel=None) -> list:
     return [*outer, t_outer]
 
 
-def _micro_kernel(sch, acc, dst, threads, u, n_dims, cfg: Config):
+def _micro_kernel(sch, acc, dst, threads, u, n_dims, cfg: Config, parallel=True):
     """Schedule one tile of ``dst`` (``acc`` computed at it) as the micro-kernel: the
     reduction loops between the tile's outer and inner loops, the source's channel block
     innermost and unrolled, the tile's rows unrolled, its columns in vectors; ``threads``
-    fused and parallel."""
+    fused and parallel (none: the caller's loop is)."""
     block = sch.get(acc)
     n_red = sum(1 for iv in block.iter_vars if int(iv.iter_type) == REDUCE)
     n_tile = 3 if u is not None else 2
@@ -412,7 +413,9 @@ def _micro_kernel(sch, acc, dst, threads, u, n_dims, cfg: Config):
             else [reduce[i]]
         reduce = [*reduce[:i], *parts[:-1], *reduce[i + 1:], parts[-1]]
     sch.reorder(*reduce, *a_tile, at, av)
-    sch.parallel(sch.fuse(*threads) if len(threads) > 1 else threads[0])
+    fused = sch.fuse(*threads) if len(threads) > 1 else threads[0]
+    if parallel:
+        sch.parallel(fused)
     if cfg.unroll:
         reduce[-1:] = _unrolled(sch, reduce[-1])
         sch.reorder(*reduce, *a_tile, at, av)
@@ -428,7 +431,7 @@ def _micro_kernel(sch, acc, dst, threads, u, n_dims, cfg: Config):
         _vectors(sch, bv, cfg.lanes)
 
 
-def _chunked(sch, acc, dst, cfg: Config, u, n_dims):
+def _chunked(sch, acc, dst, cfg: Config, u, n_dims, parallel=True):
     """``chunk_plan``'s schedule: ``dst`` in groups of ``cfg.rows`` image rows per panel (the
     threads split those), ``acc`` computed per group into a scratch, its reduction loops
     ordered chunk, tiles, rest of the chunk, so the chunk's weights stay in L1 while the
@@ -456,7 +459,8 @@ def _chunked(sch, acc, dst, cfg: Config, u, n_dims):
     at_outer, at = sch.split(at, [None, cfg.mr])
     rest = [*reduce[:i], *reduce[i + 1:]]
     sch.reorder(passes, *others, at_outer, blocks, *rest, inner, *a_tile, at, av)
-    sch.parallel(sch.fuse(*outer[:-1], rows))
+    if parallel:
+        sch.parallel(sch.fuse(*outer[:-1], rows))
     if cfg.unroll:
         _unrolled(sch, inner)
     for loop in (*a_tile, at):

@@ -95,10 +95,11 @@ def _schedule(func, target, cfg, facts):
         for acc, m, c in parts:
             if band is not None:
                 sch.compute_at(sch.get_sblock(m), band, preserve_unit_loops=True)
-            register_tiled._tile(sch, sch.get_sblock(acc), sch.get_sblock(m), c, target)
+            register_tiled._tile(sch, sch.get_sblock(acc), sch.get_sblock(m), c, target,
+                                 parallel=band is None)
         if band is not None:
             sch.compute_at(sch.get_sblock("wino_v"), band, preserve_unit_loops=True)
-        _input_transform(sch, lanes)
+        _input_transform(sch, lanes, parallel=band is None)
         for block in others:   # per-channel copies (bias)
             spatial_parallel_vectorize(sch, block, target)
     except s_tir.ScheduleError:
@@ -128,7 +129,7 @@ def _band_rows(func, facts) -> int:
     return band   # a divisor of the rows: a partial last band defeats compute_at
 
 
-def _input_transform(sch, lanes):
+def _input_transform(sch, lanes, parallel=True):
     v, dt = sch.get_sblock("wino_v"), sch.get_sblock("wino_dt")
     eps, nu, p, c = sch.get_loops(v)[-4:]
     c_o, c_i = _vector_split(sch, c, lanes)
@@ -141,7 +142,8 @@ def _input_transform(sch, lanes):
     sch.unroll(d_eps)
     sch.unroll(d_j)
     sch.vectorize(d_c)
-    sch.parallel(p)
+    if parallel:
+        sch.parallel(p)
 
 
 def _output_transform(sch, lanes, facts, band_rows=0):
@@ -169,7 +171,7 @@ def _output_transform(sch, lanes, facts, band_rows=0):
     sch.unroll(hi)
     sch.unroll(wi)
     sch.vectorize(c_i)
-    par = [*outer, ho]
+    par = [band] if band is not None else [*outer, ho]   # bands: one task each
     sch.parallel(sch.fuse(*par) if len(par) > 1 else par[0])
     if valid is not None:
         realize = _realize(sch, dst)

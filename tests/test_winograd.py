@@ -6,6 +6,7 @@ AVX-512 and NEON builds emit (NEON run under qemu-aarch64)."""
 from __future__ import annotations
 
 import json
+import re
 from fractions import Fraction
 
 import numpy as np
@@ -304,13 +305,19 @@ def test_avx512_gemm_cuts_an_odd_panel_off(tmp_path, rng):
 def test_stages_run_in_bands_of_tile_rows_where_the_weights_fit_in_l2():
     """64 -> 64 at 56x56 (590 KB of F(4x4) weights): the transforms and the GEMM run a row
     of tiles at a time, their scratch in L2 between the stages; with 2.4 MB of weights
-    (128 -> 128 at 28x28) every band would read them all again: one pass. The numbers of
-    banded kernels: the small cases above (bands of one row of two)."""
+    (128 -> 128 at 28x28) every band would read them all again: one pass. The bands are the
+    threads' tasks (one parallel loop: a band's three stages are too short to share), the
+    stages of an unbanded kernel each split among the threads. The numbers of banded
+    kernels: the small cases above (bands of one row of two)."""
     def band(c, hw):
         spec = {"kernel": [_conv("b", (1, c, hw, hw), c, "nChw16c", "hwOi16o", 4)]}
         func = make_kernels(parse_spec(spec).kernels[0])[0].func
-        return winograd_schedules._band_rows(func, winograd_schedules._facts(func))
-    assert band(64, 56) == 1 and band(128, 28) == 0
+        rows = winograd_schedules._band_rows(func, winograd_schedules._facts(func))
+        script = Winograd().schedule(func, get_target("avx512")).mod.script()
+        return rows, re.findall(r"T\.parallel\((\d+)\)", script)
+    assert band(64, 56) == (1, ["14"])
+    rows, parallel = band(128, 28)
+    assert rows == 0 and len(parallel) == 3
 
 
 @pytest.mark.skipif(bool(qemu.missing_tools()), reason="aarch64 toolchain / emulator not "
