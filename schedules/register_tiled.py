@@ -157,6 +157,9 @@ def rows_outer_pays(src_bytes: int, w_bytes: int) -> bool:
 
 #: Bytes of weights a chunked pass keeps in L1 (``chunk_plan``): half of a 32 KiB L1D.
 CHUNK_BYTES = 16 << 10
+#: Tasks (panels x groups of rows) a chunked schedule leaves the threads at least, where the
+#: rows allow (``chunk_plan``).
+MIN_TASKS = 8
 #: Bytes of a panel's partial sums over a group of rows (``chunk_plan``), kept in L1 too.
 GROUP_BYTES = 32 << 10
 
@@ -173,8 +176,12 @@ def chunk_plan(shape: ChannelPasses | None, cfg: Config):
     group of ``rows`` image rows, its partial sums in a scratch of about ``GROUP_BYTES`` that
     each tile loads into registers before its chunk and stores after. Measured on an Intel
     Xeon (Cascade Lake, avx512, 1 thread), 1x1 1024 -> 256 at 14x14: 96-106 -> 117-128 GFLOP/s
-    with 64 or 128 channels per chunk (256: 103-111). None where there is no second chunk, no
-    row dim apart from the panels, or the chunk would not divide the channel blocks."""
+    with 64 or 128 channels per chunk (256: 103-111). The groups are the threads' tasks with the
+    panels: the most rows that still leave ``MIN_TASKS`` tasks (MobileNetV2's 576 -> 96 at
+    14x14 ran 3 panels of whole images, 2 tasks against 1 on two cores: 0.127 -> 0.101 ms at 2
+    threads in groups of 2 rows, 1 thread equal; Zen 4, avx512). None where there is no second
+    chunk, no row dim apart from the panels, or the chunk would not divide the channel
+    blocks."""
     if shape is None:
         return None
     per_block = shape.taps * shape.block * cfg.mu * cfg.nr * shape.itemsize
@@ -185,9 +192,11 @@ def chunk_plan(shape: ChannelPasses | None, cfg: Config):
     if chunk == shape.blocks:
         return None
     row_bytes = cfg.mu * -(-shape.width // cfg.mr) * cfg.mr * cfg.nr * shape.itemsize
-    rows = max(d for d in range(1, shape.height + 1)
-               if shape.height % d == 0 and (d == 1 or d * row_bytes <= GROUP_BYTES))
-    return chunk, rows
+    fits = [d for d in range(1, shape.height + 1)
+            if shape.height % d == 0 and (d == 1 or d * row_bytes <= GROUP_BYTES)]
+    panels = -(-shape.panels // cfg.mu)
+    enough = [d for d in fits if panels * (shape.height // d) >= MIN_TASKS]
+    return chunk, max(enough) if enough else min(fits)
 
 
 def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False) -> list:

@@ -537,12 +537,14 @@ def test_panels_run_inside_the_rows_where_the_source_outgrows_l2(rng):
 
 @pytest.mark.parametrize("shape,channels,kernel,stride,want", [
     # (host: AVX2, 2 x 8-lane columns a tile, one panel of 16 output channels)
-    # 1x1, 1024 channels: 64 KiB of weights per panel -> 16 blocks a pass, the 4 rows at once
-    ([1, 1024, 4, 4], 32, 1, 1, (16, 4)),
-    # 3x3 stride 2 with spatial padding (the staged halo): one block a pass
-    ([1, 64, 9, 9], 32, 3, 2, (1, 5)),
-    # 28 columns in tiles of 6 (30 computed): 1.9 KiB of sums per row -> groups of 14 rows
-    ([1, 1024, 28, 28], 32, 1, 1, (16, 14)),
+    # 1x1, 1024 channels: 64 KiB of weights per panel -> 16 blocks a pass; a row a group, as
+    # 2 panels x 4 rows make fewer than register_tiled.MIN_TASKS (8) tasks for the threads
+    ([1, 1024, 4, 4], 32, 1, 1, (16, 1)),
+    # 3x3 stride 2 with spatial padding (the staged halo): one block a pass, a row a group
+    ([1, 64, 9, 9], 32, 3, 2, (1, 1)),
+    # 28 columns in tiles of 6 (30 computed): 1.9 KiB of sums per row would allow groups of
+    # 14 rows; groups of 7 leave 2 panels x 4 groups, 8 tasks
+    ([1, 1024, 28, 28], 32, 1, 1, (16, 7)),
 ])
 def test_channels_are_reduced_in_passes_where_the_weights_outgrow_l1(rng, shape, channels,
                                                                      kernel, stride, want):
