@@ -17,8 +17,9 @@ channels) and each of the three convolutions alone is bound by memory, not arith
 MobileNet's channel counts. ``schedules/inverted_residual.py`` computes the expansion for a
 band of rows, the depthwise one output row at a time and the projection from that row, all
 in cache. The inner stages are declared on channel blocks of ``CB`` (the destination's channel
-block, else 8), ``expanded`` over the depthwise window's padded domain with its halo zero (the
-depthwise's spatial padding is the expansion's own zero border, not a guard on every read).
+block, else 8); ``expanded`` is the expansion's epilogue (bias, activation) on the image, and
+the depthwise reads it as ``select(in_image, expanded[clamped], 0)``: every read in the
+tensor, no branch, and the epilogue applied where the expansion's sums are, in registers.
 Expanded channels past E (E not a block multiple) are computed as zeros that the projection's
 zero weight padding cancels; they never reach the destination.
 
@@ -127,21 +128,21 @@ def make(layouts, name, policy, expanded=None, channels=None, kernel=(3, 3), str
 
         def expanded_value(b, e_b, y, z, e_i):
             reading({e_b: (0, eb - 1), e_i: (0, cb - 1)}, be)
-            inside = tirx.all(y >= ph, y < h + ph, z >= pw, z < w + pw)
-            v = eltwise_chain(ex[b, e_b, y - ph, z - pw, e_i] + be(e_b * cb + e_i),
-                              expand_post_ops)
-            return tirx.if_then_else(inside, v, zero)
+            return eltwise_chain(ex[b, e_b, y, z, e_i] + be(e_b * cb + e_i), expand_post_ops)
 
-        exd = te.compute((n, eb, h + 2 * ph, w + 2 * pw, cb), expanded_value,
-                         name=EXPANDED)
+        exd = te.compute((n, eb, h, w, cb), expanded_value, name=EXPANDED)
         oh, ow = out_hw(h, w, (kh, kw), (sh, sw))
         rh, rw = te.reduce_axis((0, kh), "rh"), te.reduce_axis((0, kw), "rw")
 
         def depthwise(b, e_b, y, z, e_i):
             reading({e_b: (0, eb - 1), e_i: (0, cb - 1), rh.var: (0, kh - 1), rw.var: (0, kw - 1)},
                     wd)
-            return te.sum(exd[b, e_b, y * sh + rh, z * sw + rw, e_i]
-                          * wd(e_b * cb + e_i, 0, 0, rh, rw), axis=[rh, rw])
+            iy, iz = y * sh + rh - ph, z * sw + rw - pw
+            inside = tirx.all(iy >= 0, iy < h, iz >= 0, iz < w)
+            cell = exd[b, e_b, tirx.max(0, tirx.min(iy, h - 1)), tirx.max(0, tirx.min(iz, w - 1)),
+                       e_i]
+            return te.sum(tirx.Select(inside, cell, zero) * wd(e_b * cb + e_i, 0, 0, rh, rw),
+                          axis=[rh, rw])
 
         dw = te.compute((n, eb, oh, ow, cb), depthwise, name=DEPTHWISE)
 
