@@ -376,8 +376,11 @@ def fuse_inverted_residuals(nodes, protected, types, constant):
 #: MobileNetV2 on an AVX2 EPYC (512 KiB L2; 1 thread, ``blockpad bench model``), the fused
 #: kernel against the three: 112x112x96 0.99 ms vs 1.41 (4.8 MiB expanded), 56x56x144 0.84
 #: vs 1.10 (1.8 MiB), 28x28x192 0.30 vs 0.34 (0.6 MiB); 14x14x576 0.62 vs 0.61 (0.44 MiB),
-#: 7x7x960 0.60 vs 0.48 (0.18 MiB: two bands of 4 and 3 rows recompute 4 of 7 rows).
-FUSE_EXPANDED_BYTES = 512 * 1024
+#: 7x7x960 0.60 vs 0.48 (0.18 MiB: two bands of 4 and 3 rows recompute 4 of 7 rows). Once the
+#: fused kernel applied the expansion's epilogue on its registers (Zen 4, AVX-512, both builds
+#: in one process), fusing the 14x14 blocks too (0.29-0.44 MiB) made MobileNetV2 4.03 -> 3.92 ms
+#: at 2 threads (6.95 / 6.92 at 1); the 7x7 ones as well made no further difference.
+FUSE_EXPANDED_BYTES = 256 * 1024
 
 
 def _inverted_residual_at(nodes, i, protected, types, constant):
