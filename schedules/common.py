@@ -10,6 +10,12 @@ from blockpad.vocabulary import OP_ATTR
 SPATIAL, REDUCE = 0, 2   # IterVar.iter_type: data parallel, commutative reduction
 
 
+def count_iters(block, kind: int = SPATIAL) -> int:
+    """How many of ``block``'s iter vars are of ``kind`` (``SPATIAL`` or ``REDUCE``): a TE
+    stage's block lists its spatial iters first, so this is also where its reductions start."""
+    return sum(1 for iv in block.iter_vars if int(iv.iter_type) == kind)
+
+
 def op_of(func) -> str | None:
     """The blockpad op a PrimFunc implements (set by codegen.kernel.finish)."""
     return func.attrs.get(OP_ATTR) if func.attrs is not None else None

@@ -36,7 +36,7 @@ from tvm import s_tir, tirx
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import SPATIAL, divisor_at_most, tile_scope, vector_lanes
+from .common import REDUCE, SPATIAL, count_iters, divisor_at_most, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import clamped_source, staged_source
 from .rule import ScheduleRule, distinct
@@ -155,7 +155,7 @@ def _schedule(func, target, mr, rows, staged):
         sch.compute_at(acc, ow_o, preserve_unit_loops=True)
         sch.set_scope(acc, 0, tile_scope(target))
         loops = sch.get_loops(acc)
-        n_red = sum(1 for iv in sch.get(acc).iter_vars if int(iv.iter_type) != SPATIAL)
+        n_red = count_iters(sch.get(acc), REDUCE)
         *_, at, av = loops[:len(loops) - n_red]
         reduce = loops[len(loops) - n_red:]
         sch.reorder(*reduce, at, av)

@@ -38,7 +38,7 @@ from tvm import s_tir
 
 from blockpad.vocabulary import ACC, DEPTHWISE, DEPTHWISE_OUT, DST, EXPAND, EXPANDED
 
-from .common import divisor_at_most, tile_scope, vector_lanes
+from .common import REDUCE, count_iters, divisor_at_most, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .register_tiled import accumulators
 from .rule import ScheduleRule, distinct
@@ -123,7 +123,7 @@ def _accumulate(sch, acc, target, step=1):
     spatial ones unrolled, the lanes vectorized, the zeroing split off."""
     sch.set_scope(acc, 0, tile_scope(target))
     loops = sch.get_loops(acc)
-    n_red = sum(1 for iv in sch.get(acc).iter_vars if int(iv.iter_type) != 0)
+    n_red = count_iters(sch.get(acc), REDUCE)
     spatial, reduce = loops[len(loops) - n_red - 5:len(loops) - n_red], loops[len(loops) - n_red:]
     if step > 1:
         reduce = [*reduce[:-1], *sch.split(reduce[-1], [None, step])]

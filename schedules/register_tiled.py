@@ -62,7 +62,7 @@ from tvm import s_tir, tirx
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import REDUCE, SPATIAL, is_true, tile_scope, vector_lanes
+from .common import REDUCE, SPATIAL, count_iters, is_true, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source, subsampled_source
 from .rule import ScheduleRule, distinct
@@ -247,7 +247,7 @@ def _schedule(func, target, cfg: Config, tails=False):
         func = subsampled_source(func)
     func = staged_source(func)
     block = realize_of(func, ACC).block
-    n_sp = sum(1 for iv in block.iter_vars if int(iv.iter_type) == SPATIAL)
+    n_sp = count_iters(block)
     panel = _weights_block_dim(block, n_sp)
     func, parts = edge_parts(func, cfg, n_sp - panel if panel is not None else None)
     whole = True
@@ -408,7 +408,7 @@ def _micro_kernel(sch, acc, dst, threads, u, n_dims, cfg: Config, parallel=True)
     innermost and unrolled, the tile's rows unrolled, its columns in vectors; ``threads``
     fused and parallel (none: the caller's loop is)."""
     block = sch.get(acc)
-    n_red = sum(1 for iv in block.iter_vars if int(iv.iter_type) == REDUCE)
+    n_red = count_iters(block, REDUCE)
     n_tile = 3 if u is not None else 2
     tile = sch.get_loops(dst)[-n_tile:]
     acc_loops = sch.get_loops(acc)[:-n_red]
@@ -457,7 +457,7 @@ def _chunked(sch, acc, dst, cfg: Config, u, n_dims, parallel=True):
     sch.reorder(*outer[:-1], rows, rows_inner, t_outer, *tile, t, v)
     sch.compute_at(acc, rows, preserve_unit_loops=True)
     block = sch.get(acc)
-    n_red = sum(1 for iv in block.iter_vars if int(iv.iter_type) == REDUCE)
+    n_red = count_iters(block, REDUCE)
     spatial = sch.get_loops(acc)[-n_dims - n_red:-n_red]
     reduce = sch.get_loops(acc)[-n_red:]
     i, b = _innermost_reduction(block, [int(sch.get(l).extent) for l in reduce])

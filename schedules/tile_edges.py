@@ -17,7 +17,7 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import SPATIAL
+from .common import count_iters
 from .nest import substitute
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
@@ -78,7 +78,7 @@ def extent(func, name, back) -> int:
     """The extent of block ``name``'s ``back``-th spatial dim from the last (1: the vector
     dim, 2: the register-tile dim)."""
     block = realize_of(func, name).block
-    n_sp = sum(1 for iv in block.iter_vars if int(iv.iter_type) == SPATIAL)
+    n_sp = count_iters(block)
     return int(block.iter_vars[n_sp - back].dom.extent)
 
 
@@ -92,7 +92,7 @@ def whole_tiles(func, name, mr, nr):
     hold is never stored."""
     realize = realize_of(func, name)
     blk = realize.block
-    n_sp = sum(1 for iv in blk.iter_vars if int(iv.iter_type) == SPATIAL)
+    n_sp = count_iters(blk)
     acc_buf = blk.writes[0].source
     ext = [int(iv.dom.extent) for iv in blk.iter_vars]
     new = list(ext)
@@ -190,7 +190,7 @@ def _range(nest, back, start, suffix=None, scratch=None):
     realize = []
     tvm_ffi.structural_map(nest, (s_tir.SBlockRealize, lambda r: realize.append(r) or r))
     ivs = realize[0].block.iter_vars
-    d = sum(1 for iv in ivs if int(iv.iter_type) == SPATIAL) - back
+    d = count_iters(realize[0].block) - back
     loop_var, var, extent = realize[0].iter_values[d], ivs[d].var, int(ivs[d].dom.extent)
     if suffix is not None:
         loops = []
