@@ -102,10 +102,10 @@ def _tile(width: int, blocks: int, per_block: int, regs: int) -> tuple:
     return m, u, v
 
 
-def _gemm_tile(sch, loops, shape, lanes, regs, reduce=()):
-    """Tiles ``loops`` = (channel blocks, pixels, channel lanes) of a 1x1 convolution for
-    ``_tile``'s register tile, ``reduce`` (if the block reduces itself: ``expand``) between the
-    tile's outer and inner loops; returns the outer loops and the tile's."""
+def _gemm_tile(sch, loops, shape, lanes, regs):
+    """Tiles ``loops`` = (channel blocks, pixels, channel lanes) of a 1x1 convolution's
+    epilogue for ``_tile``'s register tile (its accumulators are computed at the tile: the
+    expansion's and the projection's); returns the outer loops and the tile's."""
     blocks, pixels, lane = loops
     n_blocks, width, block_size = shape
     m, u, v = _tile(width, n_blocks, max(1, block_size // lanes), regs)
@@ -113,7 +113,7 @@ def _gemm_tile(sch, loops, shape, lanes, regs, reduce=()):
     lo, li = sch.split(lane, [None, v * lanes]) if v * lanes < block_size else (None, lane)
     po, pi = sch.split(pixels, [None, m])
     outer = [bo, *([lo] if lo is not None else []), po]
-    sch.reorder(*outer, *reduce, bi, pi, li)
+    sch.reorder(*outer, bi, pi, li)
     return outer, (bi, pi, li)
 
 

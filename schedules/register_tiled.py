@@ -406,7 +406,7 @@ def _micro_kernel(sch, acc, dst, threads, u, n_dims, cfg: Config, parallel=True)
     """Schedule one tile of ``dst`` (``acc`` computed at it) as the micro-kernel: the
     reduction loops between the tile's outer and inner loops, the source's channel block
     innermost and unrolled, the tile's rows unrolled, its columns in vectors; ``threads``
-    fused and parallel (none: the caller's loop is)."""
+    fused, and parallel unless the caller's loop is (``parallel`` False)."""
     block = sch.get(acc)
     n_red = count_iters(block, REDUCE)
     n_tile = 3 if u is not None else 2
