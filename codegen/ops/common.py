@@ -61,7 +61,7 @@ class Source:
 
     def __call__(self, *idx, pad=0):
         lay = self.layout
-        guards = []
+        guards, blends = [], []
         for d, x in enumerate(idx):
             lo, hi = _bounds(x, self.bounds)
             before, after = lay.paddings[d]
@@ -72,15 +72,28 @@ class Source:
             if self.mode == "trusted" and in_buffer and _is_zero_const(pad):
                 self.trusts_padding = True
                 continue   # clean padding or halo in the buffer reads as the pad value itself
+            if lo >= 0 and hi < lay.padded_shape[d] and lay.block_of(d) > 1 \
+                    and self.dtype.startswith("float"):
+                # only a block's padding: the load stays in the buffer, so a Select (a blend)
+                # masks it; an if_then_else whose condition differs between a vector's lanes
+                # (the channels of a block) makes TVM's vectoriser emit scalar code: the `src`
+                # policy's 40 -> 41 convolutions ran 15-18x slower than dst_fused's (AVX-512,
+                # the weights' output-channel padding guarded). Integer sources keep the
+                # if_then_else the dot-product rules recognise (schedules/dot_rewrites.py).
+                blends.append(x < lay.shape[d])
+                continue
             if lo < 0:
                 guards.append(x >= 0)
             if hi >= lay.shape[d]:
                 guards.append(x < lay.shape[d])
             self.leaves_buffer |= not in_buffer
         load = self.tensor(*lay.to_physical(idx))
+        fill = tirx.const(pad, self.dtype)
+        if blends:
+            load = tirx.Select(tirx.all(*blends), load, fill)
         if not guards:
             return load
-        return tirx.if_then_else(tirx.all(*guards), load, tirx.const(pad, self.dtype))
+        return tirx.if_then_else(tirx.all(*guards), load, fill)
 
 
 @dataclass
