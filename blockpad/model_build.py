@@ -17,6 +17,7 @@ imports the runtime's graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -62,8 +63,10 @@ class _Probe:
         return _Probed(req)
 
 
-def _regraph(g: Graph, cache) -> Graph:
-    """``g``'s ops and constants over another kernel cache."""
+def _regraph(g: Graph, cache, pins=None) -> Graph:
+    """``g``'s ops and constants over another kernel cache; ``pins``: ``{node: attrs}`` that
+    replace those nodes' attributes (the algorithm of an ``auto`` convolution)."""
+    pins = pins or {}
     h = Graph(policy=g.policy, cache=cache, inplace=g.inplace, layouts=g.layouts, block=g.block,
               fuse=tuple(g.fuse), name=g.name)
     for name, (shape, dtype) in g.inputs.items():
@@ -71,7 +74,7 @@ def _regraph(g: Graph, cache) -> Graph:
     for name, a in g.constants.items():
         h.constant(name, a)
     for n in g.nodes:
-        h.add_op(n.op, n.inputs, n.attrs, n.name, n.outputs)
+        h.add_op(n.op, n.inputs, {**n.attrs, **pins.get(n.name, {})}, n.name, n.outputs)
     h.output(*g.outputs)
     return h
 
@@ -106,6 +109,12 @@ def plan_kernels(g: Graph, log, features=()) -> tuple:
     """Plan ``g`` for a target with CPU ``features`` and return (plan lines, the kernel
     requests the plan calls); each kernel the generator cannot make, which the plan falls
     back for, is logged."""
+    plan, used = _plan(g, log, features)
+    return plan.describe().splitlines(), used
+
+
+def _plan(g: Graph, log, features) -> tuple:
+    """(the probed plan, the requests it calls): ``plan_kernels``'s work."""
     failed, refused = set(), {}
     checked = set()
     while True:
@@ -123,9 +132,63 @@ def plan_kernels(g: Graph, log, features=()) -> tuple:
         if not any(r in failed for r in new):
             for r, why in refused.items():
                 log(f"  no kernel for {r}: {why}")
-            return plan.describe().splitlines(), used
+            return plan, used
         log(f"planning again: {len(refused)} kernel(s) the generator cannot make, the plan "
             f"falls back for them")
+
+
+# ---- auto convolutions: tuning records over the cost model ------------------------------------
+#
+# The planner resolves a convolution's ``algorithm = "auto"`` by the cost model alone
+# (``blockpad.winograd.choose``): the runtime has no tuning records. A model build looks first:
+# each auto convolution is asked of ``codegen.auto`` as one kernel (its direct request with the
+# algorithm left open); where records time its candidates, the fastest recorded one is pinned
+# on the node before the plan is made. ``model_spec`` hands ``tune`` those open requests, so that
+# tuning a model measures every candidate (records are found by function, whatever the name).
+
+def _auto_requests(g: Graph, log, features) -> dict:
+    """``{node: KernelRequest}`` for each ``auto`` convolution with more than one candidate:
+    the request it makes planned direct, with ``algorithm = "auto"``."""
+    from blockpad.codegen import auto
+    from blockpad.codegen.spec import parse_spec
+
+    autos = [n.name for n in g.nodes if n.op == "conv2d" and n.attrs.get("algorithm") == "auto"]
+    if not autos:
+        return {}
+    direct = {"algorithm": "direct", "winograd_tile": None}
+    plan, _ = _plan(_regraph(g, g.cache, dict.fromkeys(autos, direct)), log, features)
+    out = {}
+    for st in plan.steps:
+        if st.node is not None and st.node.name in autos and isinstance(st.kernel, _Probed) \
+                and st.kernel.request.op == "conv2d":
+            entry = {**st.kernel.request.entry("auto"), "algorithm": "auto"}
+            req = parse_spec({"kernel": [entry]}, "model kernel").kernels[0]
+            if len(auto.candidates(req)) > 1:
+                out[st.node.name] = req
+    return out
+
+
+def _record_pins(g: Graph, log, target, tuning_logs) -> dict:
+    """``{node: attrs}`` pinning each ``auto`` convolution whose candidates the tuning records
+    time to the fastest recorded one; the others are left to the planner's cost model."""
+    from blockpad.codegen import auto, tuning_records
+    from blockpad.codegen.build import make_kernels
+
+    logs = tuning_records.Logs(tuning_logs or tuning_records.default_dir(), target)
+    if not logs.index:
+        return {}
+    tvm_target = target.tvm_target()
+    pins = {}
+    for node, req in _auto_requests(g, log, target.features).items():
+        chosen, picked = auto.resolve(
+            req, lambda c: logs.seconds(c.name, make_kernels(c)[0].func, tvm_target))
+        if picked["by"] == "tuning records":
+            tile = dict(chosen.params).get("winograd_tile")
+            pins[node] = {"algorithm": "winograd" if tile else "direct", "winograd_tile": tile}
+            times = ", ".join(f"{k} {'-' if v is None else f'{v} us'}"
+                              for k, v in picked["time_us"].items())
+            log(f"  {node}: auto picked {picked['chosen']} by tuning records ({times})")
+    return pins
 
 
 def _entry_name(i, req) -> str:
@@ -135,12 +198,21 @@ def _entry_name(i, req) -> str:
 def model_spec(source, conv_algorithm="auto", log=None, target="host"):
     """The build spec of the kernels ``source``'s plan for ``target`` calls (a ``bp.Graph``,
     an ONNX path or ModelProto), named as ``build_model`` names them: what ``blockpad tune
-    model.onnx`` measures, so that building the model applies the records."""
+    model.onnx`` measures, so that building the model applies the records. An ``auto``
+    convolution is there with its algorithm open, so that tuning times every candidate."""
     from blockpad.codegen.targets import get_target
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     g = _graph(source, conv_algorithm)
-    return _spec(g, plan_kernels(g, log, get_target(target).features)[1])
+    features = get_target(target).features
+    plan, requests = _plan(g, log, features)
+    open_ = _auto_requests(g, log, features)
+    spec = _spec(g, requests)
+    planned = {st.kernel.request: st.node.name for st in plan.steps
+               if st.node is not None and isinstance(st.kernel, _Probed)}
+    kernels = tuple(dataclasses.replace(open_[planned[r]], name=k.name)
+                    if planned.get(r) in open_ else k for r, k in zip(requests, spec.kernels))
+    return dataclasses.replace(spec, kernels=kernels)
 
 
 def _graph(source, conv_algorithm) -> Graph:
@@ -256,6 +328,9 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
         return out_dir
     log(f"planning {g.name}: {len(g.nodes)} ops, inputs "
         f"{', '.join(f'{k} {list(s)}' for k, (s, _) in g.inputs.items())}")
+    pins = _record_pins(g, log, target, tuning_logs)
+    if pins:
+        g = _regraph(g, g.cache, pins)
     lines, requests = plan_kernels(g, log, target.features)
     log(f"the plan has {len(lines)} steps and calls {len(requests)} kernels")
     os.makedirs(out_dir, exist_ok=True)

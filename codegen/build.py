@@ -61,12 +61,17 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
         log(f"warning: {warning}")
     tvm_target = target.tvm_target()
     n = len(spec.kernels)
+
+    def recorded(c):
+        """Seconds of candidate ``c``'s fastest recorded schedule, None if it was not tuned."""
+        return logs.seconds(c.name, make_kernels(c)[0].func, tvm_target) if logs.index else None
+
     for i, req in enumerate(spec.kernels, 1):
         t0 = time.perf_counter()
         picked = None
         if auto.is_auto(req):   # conv2d algorithm = "auto": records, else the cost model
-            resolved = failed.run(req, "choosing the algorithm", lambda: auto.resolve(  # noqa: B023
-                req, lambda c: _recorded(logs, c, tvm_target)))  # noqa: B023 (run now)
+            resolved = failed.run(req, "choosing the algorithm",
+                                  lambda: auto.resolve(req, recorded))  # noqa: B023 (run now)
             if resolved is None:
                 log(f"[{i}/{n}] {req.name}: FAILED")
                 continue
@@ -180,14 +185,6 @@ def _log_tuning(log, tuning, logs_dir):
     for name, s in tuning.items():
         if not s["tuned"]:
             log(f"  {name}: default schedule ({s['reason']})")
-
-
-def _recorded(logs, req, tvm_target):
-    """Seconds of the fastest recorded schedule of ``req``'s kernel, None if not tuned."""
-    if req.name not in logs.index:
-        return None
-    status = logs.choose(req.name, make_kernels(req)[0].func, tvm_target).status
-    return status["time_us"] * 1e-6 if status["tuned"] else None
 
 
 def make_kernels(req):

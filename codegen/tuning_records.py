@@ -156,10 +156,18 @@ class Logs:
 
     def choose(self, name: str, func, tvm_target) -> TuningDecision:
         """The fastest measured variant of kernel ``name`` for this target and TVM, or why
-        there is none."""
+        there is none. Records are found by name, else by the function itself (its workload
+        hash) under any name."""
         from blockpad.schedules import space
 
         entry = self.index.get(name)
+        now = workload_hash(space.workload(func)) if self.index else None
+        if not entry or entry.get("workload") != now:
+            # the same function tuned under another name: a model's kernels are numbered by
+            # its plan, which the records themselves can change (auto's candidates)
+            entry = next((e for e in self.index.values() if e.get("workload") == now
+                          and not e.get("skipped") and e.get("tvm_version") == mf.tvm_version()),
+                         entry)
         if not entry:
             where = "" if (self.dir / DB_FILES[1]).is_file() else f" (no tuning logs in {self.dir})"
             return _default(f"no record{where}")
@@ -168,7 +176,6 @@ class Logs:
         if entry.get("tvm_version") != mf.tvm_version():
             return _default(f"recorded with TVM {entry.get('tvm_version')}, this is "
                             f"{mf.tvm_version()}")
-        now = workload_hash(space.workload(func))
         if entry.get("workload") != now:
             return _default(f"workload hash mismatch: tuned {entry.get('workload')}, now {now} "
                             f"(the kernel's code changed since it was tuned, or another kernel "
@@ -196,6 +203,12 @@ class Logs:
         return TuningDecision(funcs[best[0]], {"tuned": True, "variant": best[0],
                                                "variants": len(funcs), "trials": trials,
                                                "time_us": round(best[1] * 1e6, 3)})
+
+
+    def seconds(self, name: str, func, tvm_target) -> float | None:
+        """The time of ``func``'s fastest recorded variant, None if it was not tuned."""
+        status = self.choose(name, func, tvm_target).status
+        return status["time_us"] * 1e-6 if status["tuned"] else None
 
 
 def _default(reason) -> TuningDecision:

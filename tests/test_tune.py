@@ -366,8 +366,9 @@ def test_cross_target_candidates_are_linked_for_the_device():
 
 def test_a_model_is_tuned_by_the_kernels_its_plan_calls(tmp_path):
     """``blockpad tune model.onnx``: the kernels the model's plan calls, named as its build
-    names them; building the model then applies the records, and a build made before them is
-    not "up to date" once they exist."""
+    names them, an ``auto`` convolution with its algorithm open (every candidate is timed);
+    building the model then picks that convolution's algorithm by the records and applies them,
+    and a build made before them is not "up to date" once they exist."""
     pytest.importorskip("onnx", reason="pip install onnx (the [onnx] extra)")
     from onnx import TensorProto, helper, numpy_helper
 
@@ -392,6 +393,8 @@ def test_a_model_is_tuned_by_the_kernels_its_plan_calls(tmp_path):
     build_model(str(path), "host", out, log=lambda m: None)
     built = json.loads((out / "manifest.json").read_text())["kernels"]
     assert [k.name for k in spec.kernels] == [k["name"] for k in built if k["op"] != "zero_pad"]
+    open_ = [k for k in spec.kernels if dict(k.params).get("algorithm") == "auto"]
+    assert [dict(k.params)["kernel"] for k in open_] == [[3, 3]]   # the 3x3 is Winograd's
     assert not any(k["tuned"] for k in built)
     assert main(["tune", str(path), "--target", "host", "--trials", "2", "--out",
                  str(logs)]) in (0, None)
