@@ -178,16 +178,22 @@ def _record_pins(g: Graph, log, target, tuning_logs) -> dict:
     if not logs.index:
         return {}
     tvm_target = target.tvm_target()
-    pins = {}
+    nodes_of = {}   # one choice per distinct kernel (ResNet-50's 16 auto convolutions are 4)
     for node, req in _auto_requests(g, log, target.features).items():
+        key = json.dumps(req.describe(), sort_keys=True)
+        nodes_of.setdefault(key, (req, []))[1].append(node)
+    pins = {}
+    for req, nodes in nodes_of.values():
         chosen, picked = auto.resolve(
             req, lambda c: logs.seconds(c.name, make_kernels(c)[0].func, tvm_target))
         if picked["by"] == "tuning records":
             tile = dict(chosen.params).get("winograd_tile")
-            pins[node] = {"algorithm": "winograd" if tile else "direct", "winograd_tile": tile}
+            pins.update(dict.fromkeys(nodes, {"algorithm": "winograd" if tile else "direct",
+                                              "winograd_tile": tile}))
             times = ", ".join(f"{k} {'-' if v is None else f'{v} us'}"
                               for k, v in picked["time_us"].items())
-            log(f"  {node}: auto picked {picked['chosen']} by tuning records ({times})")
+            more = f" and {len(nodes) - 1} like it" if len(nodes) > 1 else ""
+            log(f"  {nodes[0]}{more}: auto picked {picked['chosen']} by tuning records ({times})")
     return pins
 
 
