@@ -168,21 +168,23 @@ def _auto_requests(g: Graph, log, features) -> dict:
     return out
 
 
-def _record_pins(g: Graph, log, target, tuning_logs) -> dict:
-    """``{node: attrs}`` pinning each ``auto`` convolution whose candidates the tuning records
-    time to the fastest recorded one; the others are left to the planner's cost model."""
+def _record_pins(g: Graph, log, target, tuning_logs) -> tuple:
+    """``({node: attrs}, {node: choice})``: the attributes pinning each ``auto`` convolution
+    whose candidates the tuning records time to the fastest recorded one, and the choice as
+    ``codegen.auto`` records it (``model.json``'s ``auto_picks``); the other convolutions are
+    left to the planner's cost model."""
     from blockpad.codegen import auto, tuning_records
     from blockpad.codegen.build import make_kernels
 
     logs = tuning_records.Logs(tuning_logs or tuning_records.default_dir(), target)
     if not logs.index:
-        return {}
+        return {}, {}
     tvm_target = target.tvm_target()
     nodes_of = {}   # one choice per distinct kernel (ResNet-50's 16 auto convolutions are 4)
     for node, req in _auto_requests(g, log, target.features).items():
         key = json.dumps(req.describe(), sort_keys=True)
         nodes_of.setdefault(key, (req, []))[1].append(node)
-    pins = {}
+    pins, picks = {}, {}
     for req, nodes in nodes_of.values():
         chosen, picked = auto.resolve(
             req, lambda c: logs.seconds(c.name, make_kernels(c)[0].func, tvm_target))
@@ -190,11 +192,12 @@ def _record_pins(g: Graph, log, target, tuning_logs) -> dict:
             tile = dict(chosen.params).get("winograd_tile")
             pins.update(dict.fromkeys(nodes, {"algorithm": "winograd" if tile else "direct",
                                               "winograd_tile": tile}))
+            picks.update(dict.fromkeys(nodes, {k: picked[k] for k in ("chosen", "by", "time_us")}))
             times = ", ".join(f"{k} {'-' if v is None else f'{v} us'}"
                               for k, v in picked["time_us"].items())
             more = f" and {len(nodes) - 1} like it" if len(nodes) > 1 else ""
             log(f"  {nodes[0]}{more}: auto picked {picked['chosen']} by tuning records ({times})")
-    return pins
+    return pins, picks
 
 
 def _entry_name(i, req) -> str:
@@ -334,7 +337,7 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
         return out_dir
     log(f"planning {g.name}: {len(g.nodes)} ops, inputs "
         f"{', '.join(f'{k} {list(s)}' for k, (s, _) in g.inputs.items())}")
-    pins = _record_pins(g, log, target, tuning_logs)
+    pins, picks = _record_pins(g, log, target, tuning_logs)
     if pins:
         g = _regraph(g, g.cache, pins)
     lines, requests = plan_kernels(g, log, target.features)
@@ -353,7 +356,8 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
                          f"one:\n{plan.describe()}")
     constants = _pack(g, plan)
     rm.write_model(out_dir, _algorithms_picked(doc, plan), constants, lines,
-                   {"build_key": key, "target": target.name, "kernels": len(requests)})
+                   {"build_key": key, "target": target.name, "kernels": len(requests),
+                    "auto_picks": picks})
     size = sum(m.layout.nbytes for _, ms in constants.values() for m in ms)
     log(f"wrote {out_dir}: {len(requests)} kernels, {len(lines)} steps, weights "
         f"{size / 2 ** 20:.1f} MiB packed, in {time.perf_counter() - start:.1f} s")

@@ -405,6 +405,17 @@ def test_a_model_is_tuned_by_the_kernels_its_plan_calls(tmp_path):
              if k["tuned"]}
     convs = {k.name for k in spec.kernels if k.op == "conv2d"}
     assert convs and convs <= tuned
+    picked = [line for line in lines if "by tuning records" in line]
+    assert len(picked) == 1, lines
+    label = picked[0].split("auto picked ")[1].split()[0]
+    times = {t.split()[0]: float(t.split()[1])      # every candidate timed: no "-"
+             for t in picked[0].split("(", 1)[1].rstrip(")").split(", ")}
+    assert len(times) > 1 and label == min(times, key=times.get)
+    doc = json.loads((out / "model.json").read_text())
+    first = next(n for n in doc["graph"]["nodes"] if n["op"] == "conv2d")
+    assert doc["auto_picks"][first["name"]]["chosen"] == label   # the 3x3 runs what was picked
+    assert (first["attrs"]["algorithm"], first["attrs"].get("winograd_tile")) == \
+        (("direct", None) if label == "direct" else ("winograd", int(label[len("winograd"):])))
     x = rng.standard_normal((1, 12, 6, 6)).astype(np.float32)
     want = conv_ref(np.maximum(conv_ref(x, inits["w0"], pad=(1, 1)), 0), inits["w1"])
     got = bp.load(out)(x)

@@ -77,7 +77,11 @@ def threaded_copy(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor, pa
 # Two thread pools share the cores: TVM's workers and PyTorch's OpenMP team both spin after
 # their work by default, and whichever ran last then steals the cores from the other (measured
 # here: PyTorch 40x slower right after a blockpad call on 2 threads). Both are told to sleep.
-QUIET_POOLS = {"TVM_THREAD_POOL_SPIN_COUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}
+# numpy's OpenBLAS workers spin too, 2^28 cycles (~0.1 s) after each call: a float64 reference
+# computed on 2 threads just before a timing took the cores from PyTorch's first rounds (a 3x3
+# conv 1.05 -> 2.2-2.4 ms); told to sleep after 2^4 cycles, they do not.
+BLAS_SLEEPS = {"OPENBLAS_THREAD_TIMEOUT": "4"}
+QUIET_POOLS = {"TVM_THREAD_POOL_SPIN_COUNT": "0", "OMP_WAIT_POLICY": "PASSIVE", **BLAS_SLEEPS}
 
 
 def quiet_thread_pools(threads: int | None = None) -> None:
