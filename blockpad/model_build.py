@@ -2,6 +2,8 @@
 ``Graph.from_onnx``) -> a folder ``blockpad.load`` turns into a callable model (the format is
 ``runtime/model.py``'s).
 
+0. **Pin** each ``algorithm = "auto"`` convolution whose candidates the tuning records time to
+   the fastest of them (below); the others the planner resolves by its cost model.
 1. **Plan** the graph for plain inputs with a probing cache, which answers every kernel request
    with a placeholder and records it: the plan the runtime will make, and the kernels it calls.
 2. **Check** each recorded kernel can be generated (its TE, not compiled); one that cannot is
