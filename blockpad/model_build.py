@@ -191,7 +191,8 @@ def _record_pins(g: Graph, log, target, tuning_logs) -> tuple:
         chosen, picked = auto.resolve(
             req, lambda c: logs.seconds(c.name, make_kernels(c)[0].func, tvm_target))
         if picked["by"] == "tuning records":
-            tile = dict(chosen.params).get("winograd_tile")
+            params = dict(chosen.params)   # a direct candidate keeps the default tile param
+            tile = params["winograd_tile"] if params["algorithm"] == "winograd" else None
             pins.update(dict.fromkeys(nodes, {"algorithm": "winograd" if tile else "direct",
                                               "winograd_tile": tile}))
             picks.update(dict.fromkeys(nodes, {k: picked[k] for k in ("chosen", "by", "time_us")}))

@@ -364,17 +364,10 @@ def test_cross_target_candidates_are_linked_for_the_device():
     shutil.rmtree(built[0].artifact_path.rsplit("/", 1)[0])
 
 
-def test_a_model_is_tuned_by_the_kernels_its_plan_calls(tmp_path):
-    """``blockpad tune model.onnx``: the kernels the model's plan calls, named as its build
-    names them, an ``auto`` convolution with its algorithm open (every candidate is timed);
-    building the model then picks that convolution's algorithm by the records and applies them,
-    and a build made before them is not "up to date" once they exist."""
-    pytest.importorskip("onnx", reason="pip install onnx (the [onnx] extra)")
+def _tiny_model(path, rng):
+    """A 3x3 convolution (Winograd's), relu, a 1x1 convolution: ONNX, written to ``path``."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from blockpad.model_build import build_model, model_spec
-
-    rng = np.random.default_rng(0)
     inits = {"w0": rng.standard_normal((20, 12, 3, 3)).astype(np.float32) * 0.2,
              "w1": rng.standard_normal((24, 20, 1, 1)).astype(np.float32) * 0.2}
     graph = helper.make_graph(
@@ -383,10 +376,44 @@ def test_a_model_is_tuned_by_the_kernels_its_plan_calls(tmp_path):
         "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 12, 6, 6])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(a, n) for n, a in inits.items()])
-    path = tmp_path / "tiny.onnx"
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     path.write_bytes(m.SerializeToString())
+    return inits
+
+
+@pytest.mark.parametrize("fastest", ["direct", "winograd2", "winograd6"])
+def test_a_model_build_pins_the_candidate_the_records_time_fastest(tmp_path, monkeypatch,
+                                                                   fastest):
+    """Whatever the cost model says, the auto convolution is pinned to the recorded fastest
+    candidate (direct included: its request keeps the default Winograd tile parameter, which
+    once pinned Winograd F(4x4) for a direct pick). The records are stood in for."""
+    pytest.importorskip("onnx", reason="pip install onnx (the [onnx] extra)")
+    from blockpad.model_build import _graph, _record_pins
+
+    _tiny_model(tmp_path / "tiny.onnx", np.random.default_rng(0))
+    monkeypatch.setattr(tr.Logs, "_index", lambda self: {"recorded": {}})
+    monkeypatch.setattr(tr.Logs, "seconds", lambda self, name, func, target:
+                        1e-6 if name.endswith(f"__auto_{fastest}") else 1e-3)
+    g = _graph(str(tmp_path / "tiny.onnx"), "auto")
+    pins, picks = _record_pins(g, lambda m: None, get_target("host"), tmp_path)
+    first = next(n.name for n in g.nodes if n.op == "conv2d")
+    tile = None if fastest == "direct" else int(fastest[len("winograd"):])
+    assert pins == {first: {"algorithm": "winograd" if tile else "direct", "winograd_tile": tile}}
+    assert picks[first]["chosen"] == fastest and picks[first]["by"] == "tuning records"
+
+
+def test_a_model_is_tuned_by_the_kernels_its_plan_calls(tmp_path):
+    """``blockpad tune model.onnx``: the kernels the model's plan calls, named as its build
+    names them, an ``auto`` convolution with its algorithm open (every candidate is timed);
+    building the model then picks that convolution's algorithm by the records and applies them,
+    and a build made before them is not "up to date" once they exist."""
+    pytest.importorskip("onnx", reason="pip install onnx (the [onnx] extra)")
+    from blockpad.model_build import build_model, model_spec
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "tiny.onnx"
+    inits = _tiny_model(path, rng)
 
     spec = model_spec(str(path), log=lambda m: None)
     out, logs = tmp_path / "model", tmp_path / "logs"
