@@ -79,7 +79,8 @@ def threaded_copy(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor, pa
 # here: PyTorch 40x slower right after a blockpad call on 2 threads). Both are told to sleep.
 # numpy's OpenBLAS workers spin too, 2^28 cycles (~0.1 s) after each call: a float64 reference
 # computed on 2 threads just before a timing took the cores from PyTorch's first rounds (a 3x3
-# conv 1.05 -> 2.2-2.4 ms); told to sleep after 2^4 cycles, they do not.
+# conv 1.05 -> 2.2-2.4 ms); told to sleep after 2^4 cycles, they do not. OpenBLAS reads this
+# when numpy loads it: it takes effect in a worker's environment, not set from inside a process.
 BLAS_SLEEPS = {"OPENBLAS_THREAD_TIMEOUT": "4"}
 QUIET_POOLS = {"TVM_THREAD_POOL_SPIN_COUNT": "0", "OMP_WAIT_POLICY": "PASSIVE", **BLAS_SLEEPS}
 
