@@ -176,20 +176,19 @@ def _record_pins(g: Graph, log, target, tuning_logs) -> tuple:
     ``codegen.auto`` records it (``model.json``'s ``auto_picks``); the other convolutions are
     left to the planner's cost model."""
     from blockpad.codegen import auto, tuning_records
-    from blockpad.codegen.build import make_kernels
+    from blockpad.codegen.build import recorded_seconds
 
     logs = tuning_records.Logs(tuning_logs or tuning_records.default_dir(), target)
     if not logs.index:
         return {}, {}
-    tvm_target = target.tvm_target()
+    recorded = recorded_seconds(logs, target.tvm_target())
     nodes_of = {}   # one choice per distinct kernel (ResNet-50's 16 auto convolutions are 4)
     for node, req in _auto_requests(g, log, target.features).items():
         key = json.dumps(req.describe(), sort_keys=True)
         nodes_of.setdefault(key, (req, []))[1].append(node)
     pins, picks = {}, {}
     for req, nodes in nodes_of.values():
-        chosen, picked = auto.resolve(
-            req, lambda c: logs.seconds(c.name, make_kernels(c)[0].func, tvm_target))
+        chosen, picked = auto.resolve(req, recorded)
         if picked["by"] == "tuning records":
             params = dict(chosen.params)   # a direct candidate keeps the default tile param
             tile = params["winograd_tile"] if params["algorithm"] == "winograd" else None

@@ -61,11 +61,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
         log(f"warning: {warning}")
     tvm_target = target.tvm_target()
     n = len(spec.kernels)
-
-    def recorded(c):
-        """Seconds of candidate ``c``'s fastest recorded schedule, None if it was not tuned."""
-        return logs.seconds(c.name, make_kernels(c)[0].func, tvm_target) if logs.index else None
-
+    recorded = recorded_seconds(logs, tvm_target)
     for i, req in enumerate(spec.kernels, 1):
         t0 = time.perf_counter()
         picked = None
@@ -185,6 +181,15 @@ def _log_tuning(log, tuning, logs_dir):
     for name, s in tuning.items():
         if not s["tuned"]:
             log(f"  {name}: default schedule ({s['reason']})")
+
+
+def recorded_seconds(logs, tvm_target):
+    """``request -> seconds`` of its kernel's fastest recorded schedule (None: not tuned), what
+    ``auto.resolve`` asks of the tuning records ``logs``."""
+    def seconds(req):
+        return logs.seconds(req.name, make_kernels(req)[0].func, tvm_target) \
+            if logs.index else None
+    return seconds
 
 
 def make_kernels(req):

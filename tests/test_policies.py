@@ -255,8 +255,6 @@ def test_src_policy_convolution_reads_block_padding_in_vectors(tmp_path, rng):
     built for AVX-512 has no scalar FMA (a lane-varying ``if_then_else`` made TVM emit 896 and
     run 15x slower than dst_fused). Then the numbers, with NaN in the source's and the weights'
     padding."""
-    import re
-
     import tvm
 
     from blockpad.codegen.targets import get_target

@@ -368,36 +368,30 @@ def worker(what, dirs, repeat, quick, group="all"):
         if moved and mine:   # bound by memory traffic: a plain copy of as many bytes
             contenders["copy"] = _copy(moved, threads)
         rounds = interleaved_rounds(contenders, repeat) if contenders else {}   # no mkldnn IR
-        if not mine:
-            rows.append({"kernel": name, "gflops": {
-                k: _flops(kind, arrays, ref) / statistics.median(t) / 1e9
-                for k, t in rounds.items()}})
-            if moved:
-                rows[-1]["bandwidth"] = {"gbs": {k: moved / statistics.median(t) / 1e9
-                                                 for k, t in rounds.items()}}
-            continue
         copy = rounds.pop("copy", None)
         flops = _flops(kind, arrays, ref)
 
         def rate(k, secs):
             return (peaks[k[5:]].flops if k.startswith("peak") else flops) / secs / 1e9  # noqa: B023 (used in this iteration)
         gflops = {k: rate(k, statistics.median(t)) for k, t in rounds.items()}
-        best = {k: rate(k, min(t)) for k, t in rounds.items()}
-        peak = {t: gflops[f"peak {t}"] for t in peaks}
-        rows.append({"shape": _label(kind, arrays, params), "kernel": name, "gflops": gflops,
-                     "error": errors,
-                     "peak": peak,
-                     "peak_fraction": {f"blockpad {t}": gflops[f"blockpad {t}"] / peak[t]
-                                       for t in peaks},
-                     "best_peak_fraction": {f"blockpad {t}": best[f"blockpad {t}"]
-                                            / best[f"peak {t}"] for t in peaks}})
-        if copy is not None:
-            rows[-1]["bandwidth"] = {
-                "bytes": moved, "copy": moved / statistics.median(copy) / 1e9,
-                "gbs": {k: moved / statistics.median(t) / 1e9 for k, t in rounds.items()
-                        if not k.startswith("peak")},
-                # the fastest the FMA units allow: the flops at the measured peak
-                "fma_bound": {t: moved / (flops / (peak[t] * 1e9)) / 1e9 for t in peaks}}
+        row = {"shape": _label(kind, arrays, params), "kernel": name, "gflops": gflops}
+        if moved:
+            row["bandwidth"] = {"gbs": {k: moved / statistics.median(t) / 1e9
+                                        for k, t in rounds.items() if not k.startswith("peak")}}
+        if mine:   # the fractions of peak and the copy: blockpad's process
+            best = {k: rate(k, min(t)) for k, t in rounds.items()}
+            peak = {t: gflops[f"peak {t}"] for t in peaks}
+            row.update({"error": errors, "peak": peak,
+                        "peak_fraction": {f"blockpad {t}": gflops[f"blockpad {t}"] / peak[t]
+                                          for t in peaks},
+                        "best_peak_fraction": {f"blockpad {t}": best[f"blockpad {t}"]
+                                               / best[f"peak {t}"] for t in peaks}})
+            if copy is not None:
+                row["bandwidth"].update({
+                    "bytes": moved, "copy": moved / statistics.median(copy) / 1e9,
+                    # the fastest the FMA units allow: the flops at the measured peak
+                    "fma_bound": {t: moved / (flops / (peak[t] * 1e9)) / 1e9 for t in peaks}})
+        rows.append(row)
         print(f"{name}: done", file=sys.stderr, flush=True)
     print(json.dumps(rows))
 
