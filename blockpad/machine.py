@@ -29,6 +29,25 @@ def cpu_features() -> frozenset:
     return frozenset()
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> tuple | None:
+    """``(vendor_id, cpu family)`` as /proc/cpuinfo gives them (``("AuthenticAMD", 25)``: Zen 3
+    and Zen 4, told apart by their features), None where it gives no such lines."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if not line.strip():   # the first CPU's block is enough
+                    break
+    except OSError:
+        return None
+    if "vendor_id" not in fields or not fields.get("cpu family", "").isdigit():
+        return None
+    return fields["vendor_id"], int(fields["cpu family"])
+
+
 def missing_features(required) -> list:
     have = cpu_features()
     return [f for f in required if f not in have]

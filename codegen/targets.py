@@ -21,6 +21,13 @@ class Target:
     cross_compiler: str | None = None   # C compiler that links the shared library
     cross_package: str | None = None    # the Debian/Ubuntu package that installs it
     extra: dict = field(default_factory=dict)
+    # (vendor_id, cpu family) of /proc/cpuinfo for a target tuned to one core design: `native`
+    # picks it only on that CPU; None: any CPU with the features
+    cpu: tuple | None = None
+    # whether register-tiled convolutions reduce a panel's input channels in passes where its
+    # weights outgrow L1 (schedules/register_tiled.chunk_plan); False: one pass, the passes
+    # stay in the tuning space
+    reduction_passes: bool = True
 
     @property
     def tile_registers(self) -> int:
@@ -91,6 +98,16 @@ TARGETS = {
                           "x86_64", _X86_V3 + _AVX512 + ("avx512_vnni", "avx512_bf16"), 64,
                           "x86-64 with AVX-512 VNNI and BF16 (Cooper Lake, Zen 4 and later): "
                           "int8 dot products with vpdpbusd, bf16 pairs with vdpbf16ps"),
+    # avx512-bf16's instructions with the schedule defaults measured on AMD Zen 4: reduction in
+    # passes, which the Cascade Lake needs (1.15-1.38x on its 1x1s), lost 1-10% per layer there
+    # and 2-3% on ResNet-50 (docs/performance.md, "A target for Zen 4"). Built with LLVM's own
+    # Zen 4 model (mcpu znver4) ResNet-50 ran 1.3x slower (91.4 against 70.9 ms, 1 thread), so
+    # the code generator keeps cooperlake's.
+    "zen4": Target("zen4", "x86", {**_X86_LLVM, "mcpu": "cooperlake"},
+                   "x86_64", _X86_V3 + _AVX512 + ("avx512_vnni", "avx512_bf16"), 64,
+                   "AMD Zen 4 (EPYC 9004, Ryzen 7000): avx512-bf16's instructions, its "
+                   "convolutions reduce each panel's channels in one pass",
+                   cpu=("AuthenticAMD", 25), reduction_passes=False),
     # int8 and bf16 matmul / convolution on AMX tiles; the runtime asks Linux for the tile state
     # (arch_prctl) before the first call, because the kernel would die of SIGILL without it
     "amx": Target("amx", "x86", {**_X86_LLVM, "mcpu": "sapphirerapids"},
@@ -134,9 +151,11 @@ def native_target() -> str:
     """The widest CPU target this machine runs (``--target native``). The benchmarks build for
     it: PyTorch and ONNX Runtime pick their kernels' ISA at run time (AVX-512, VNNI's
     ``vpdpbusd``, AMX where the CPU has them), so a fair comparison builds blockpad for the same.
-    Each wider target is a superset of the one after it, so fp32 kernels build for all of them."""
-    for name in ("amx", "avx512-bf16", "avx512-vnni", "avx512", "host"):
+    Each wider target is a superset of the one after it, so fp32 kernels build for all of them;
+    a target tuned to one core design (``zen4``) is taken on that CPU only."""
+    for name in ("amx", "zen4", "avx512-bf16", "avx512-vnni", "avx512", "host"):
         t = TARGETS[name]
-        if t.arch == machine.arch() and not machine.missing_features(t.features):
+        if t.arch == machine.arch() and not machine.missing_features(t.features) \
+                and t.cpu in (None, machine.cpu_model()):
             return name
     return "host"

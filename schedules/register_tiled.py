@@ -133,9 +133,11 @@ class RegisterTiled(ScheduleRule):
         if not nest.predicated and rows_outer_pays(nest.src_bytes, nest.w_bytes):
             out.insert(0, dataclasses.replace(out[0], rows_outer=True))
         chunked = chunk_plan(nest.channels, out[0]) if not nest.predicated else None
-        if chunked is not None:
-            out.insert(0, dataclasses.replace(out[0], chunk=chunked[0], rows=chunked[1],
-                                              rows_outer=False))
+        if chunked is not None:   # the default where the target's cores want passes, else
+            # the first neighbour (tuning on the device still tries them)
+            out.insert(0 if target.reduction_passes else 1,
+                       dataclasses.replace(out[0], chunk=chunked[0], rows=chunked[1],
+                                           rows_outer=False))
         return out
 
 

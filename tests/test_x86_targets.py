@@ -171,6 +171,34 @@ def test_targets_list_vnni_bf16_and_amx_with_their_features(capsys):
         assert line and ", ".join(t.features) in out
 
 
+@pytest.mark.parametrize("cpu, want", [(("AuthenticAMD", 25), "zen4"),
+                                       (("GenuineIntel", 6), "avx512-bf16"),
+                                       (None, "avx512-bf16")])
+def test_native_takes_the_zen4_target_on_a_zen4_only(monkeypatch, cpu, want):
+    """``zen4`` has avx512-bf16's instructions and code generator and differs in a schedule
+    default (reduction in one pass): ``native`` takes it on AMD family 25 with those features
+    (Zen 4; Zen 3 lacks AVX-512), and avx512-bf16 on an Intel CPU with the same flags."""
+    from blockpad.codegen.targets import native_target
+
+    zen4, bf16 = get_target("zen4"), get_target("avx512-bf16")
+    assert zen4.features == bf16.features and zen4.tvm == bf16.tvm
+    assert not zen4.reduction_passes and bf16.reduction_passes
+    monkeypatch.setattr(machine, "arch", lambda: "x86_64")
+    monkeypatch.setattr(machine, "cpu_features", lambda: frozenset(bf16.features))
+    monkeypatch.setattr(machine, "cpu_model", lambda: cpu)
+    assert native_target() == want
+    monkeypatch.setattr(machine, "cpu_features", lambda: frozenset(get_target("avx512").features))
+    assert native_target() == "avx512"   # a Zen 4 target needs the Zen 4's features too
+
+
+def test_cpu_model_reads_the_vendor_and_family_of_proc_cpuinfo():
+    model = machine.cpu_model()
+    if model is None:
+        pytest.skip("no vendor_id / cpu family in /proc/cpuinfo on this machine")
+    vendor, family = model
+    assert vendor in open("/proc/cpuinfo").read() and family > 0
+
+
 # ---- avx512-vnni ------------------------------------------------------------------------------
 
 def test_vnni_int8_kernels_are_tensorized_to_vpdpbusd(vnni_dir):

@@ -31,6 +31,7 @@ import math
 
 import numpy as np
 
+from blockpad.codegen.targets import TARGETS
 from blockpad.errors import LayoutError
 from blockpad.layout import Layout
 from blockpad.vocabulary import (
@@ -83,8 +84,9 @@ _DOT = ("float32", "float32", "float32", "int8", "uint8", "bfloat16", "float16",
 _X86 = Profile((4, 8, 16), _DOT)
 _ARM = Profile((4, 8), _DOT)
 _CUDA = Profile((4, 8, 16), _DOT, policies=KERNEL_ZEROS, strides=False)
-PROFILES = {"host": _X86, "avx512": _X86, "avx512-vnni": _X86, "avx512-bf16": _X86, "amx": _X86,
-            "neon": _ARM, "neon-dotprod": _ARM, "cuda-sm80": _CUDA, "cuda-sm90": _CUDA}
+# every target of a family draws the same cases
+PROFILES = {name: {"x86": _X86, "arm": _ARM, "cuda": _CUDA}[t.family]
+            for name, t in TARGETS.items()}
 
 
 def case(seed: int, k: int, target: str, ops=CHECKED_OPS) -> dict:
