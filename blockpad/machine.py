@@ -16,33 +16,33 @@ def arch() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_features() -> frozenset:
-    """Feature flags as /proc/cpuinfo spells them (``avx2``, ``avx512f``, ``asimddp``...)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return frozenset(value.split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_model() -> tuple | None:
-    """``(vendor_id, cpu family)`` as /proc/cpuinfo gives them (``("AuthenticAMD", 25)``: Zen 3
-    and Zen 4, told apart by their features), None where it gives no such lines."""
+def _first_cpu() -> dict:
+    """The fields of /proc/cpuinfo's first processor block ({} where there is none)."""
     fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
                 key, _, value = line.partition(":")
                 fields.setdefault(key.strip(), value.strip())
-                if not line.strip():   # the first CPU's block is enough
-                    break
     except OSError:
-        return None
+        pass
+    return fields
+
+
+def cpu_features() -> frozenset:
+    """Feature flags as /proc/cpuinfo spells them (``avx2``, ``avx512f``, ``asimddp``...)."""
+    fields = _first_cpu()
+    return frozenset((fields.get("flags") or fields.get("Features") or "").split())
+
+
+def cpu_model() -> tuple | None:
+    """``(vendor_id, cpu family)`` as /proc/cpuinfo gives them (``("AuthenticAMD", 25)``: Zen 3
+    and Zen 4, told apart by their features), None where it gives no such lines."""
+    fields = _first_cpu()
     if "vendor_id" not in fields or not fields.get("cpu family", "").isdigit():
         return None
     return fields["vendor_id"], int(fields["cpu family"])
