@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from blockpad import machine
 from blockpad.errors import BuildError, SpecError
@@ -82,6 +82,11 @@ def _cuda(cc: int, gpu: str) -> Target:
                   f"cubin + PTX compiled ahead of time with nvcc")
 
 
+_AVX512_BF16 = Target("avx512-bf16", "x86", {**_X86_LLVM, "mcpu": "cooperlake"},
+                      "x86_64", _X86_V3 + _AVX512 + ("avx512_vnni", "avx512_bf16"), 64,
+                      "x86-64 with AVX-512 VNNI and BF16 (Cooper Lake, Zen 4 and later): "
+                      "int8 dot products with vpdpbusd, bf16 pairs with vdpbf16ps")
+
 TARGETS = {
     "host": Target("host", "x86", {**_X86_LLVM, "mcpu": "x86-64-v3"},
                    "x86_64", _X86_V3, 32, "x86-64 with AVX2 and FMA (x86-64-v3)"),
@@ -94,20 +99,15 @@ TARGETS = {
                           "x86-64 with AVX-512 VNNI (Cascade Lake, Ice Lake and later): "
                           "int8 dot products with vpdpbusd"),
     # and bf16 convolution and matmul tensorized to vdpbf16ps
-    "avx512-bf16": Target("avx512-bf16", "x86", {**_X86_LLVM, "mcpu": "cooperlake"},
-                          "x86_64", _X86_V3 + _AVX512 + ("avx512_vnni", "avx512_bf16"), 64,
-                          "x86-64 with AVX-512 VNNI and BF16 (Cooper Lake, Zen 4 and later): "
-                          "int8 dot products with vpdpbusd, bf16 pairs with vdpbf16ps"),
+    "avx512-bf16": _AVX512_BF16,
     # avx512-bf16's instructions with the schedule defaults measured on AMD Zen 4: reduction in
     # passes, which the Cascade Lake needs (1.15-1.38x on its 1x1s), lost 1-10% per layer there
     # and 2-3% on ResNet-50 (docs/performance.md, "A target for Zen 4"). Built with LLVM's own
     # Zen 4 model (mcpu znver4) ResNet-50 ran 1.3x slower (91.4 against 70.9 ms, 1 thread), so
     # the code generator keeps cooperlake's.
-    "zen4": Target("zen4", "x86", {**_X86_LLVM, "mcpu": "cooperlake"},
-                   "x86_64", _X86_V3 + _AVX512 + ("avx512_vnni", "avx512_bf16"), 64,
-                   "AMD Zen 4 (EPYC 9004, Ryzen 7000): avx512-bf16's instructions, its "
-                   "convolutions reduce each panel's channels in one pass",
-                   cpu=("AuthenticAMD", 25), reduction_passes=False),
+    "zen4": replace(_AVX512_BF16, name="zen4", description=(
+        "AMD Zen 4 (EPYC 9004, Ryzen 7000): avx512-bf16's instructions, its convolutions reduce "
+        "each panel's channels in one pass"), cpu=("AuthenticAMD", 25), reduction_passes=False),
     # int8 and bf16 matmul / convolution on AMX tiles; the runtime asks Linux for the tile state
     # (arch_prctl) before the first call, because the kernel would die of SIGILL without it
     "amx": Target("amx", "x86", {**_X86_LLVM, "mcpu": "sapphirerapids"},

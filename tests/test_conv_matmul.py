@@ -571,9 +571,9 @@ def test_channels_are_reduced_in_passes_where_the_weights_outgrow_l1(rng, shape,
     else:   # the same two as avx512-bf16's (the same registers), the other way round
         assert configs[:2] == RegisterTiled().configs(func, get_target("avx512-bf16"))[1::-1]
         assert configs[1].chunk and not configs[0].chunk
-    if machine.missing_features(target.features):
-        pytest.skip(f"{target_name}'s kernels need {machine.missing_features(target.features)}"
-                    f" (the schedules were checked)")
+    missing = machine.missing_features(target.features)
+    if missing:
+        pytest.skip(f"{target_name}'s kernels need {missing} (the schedules were checked)")
     x = rng.standard_normal(shape).astype("float32")
     w = rng.standard_normal((channels, shape[1], kernel, kernel)).astype("float32")
     b = rng.standard_normal(channels).astype("float32")
