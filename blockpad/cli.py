@@ -178,6 +178,8 @@ def _info(args):
           f"{len(manifest['kernels'])} kernels")
     for record in mf.kernel_records(manifest):
         print(" ", Signature(record))
+        for n, symbol in sorted((record.threads or {}).items()):
+            print(f"    with {n} thread{'s' if n > 1 else ''} in the pool: {symbol}")
 
 
 def _check(args):

@@ -49,7 +49,10 @@ class KernelRecord:
     """One kernel of a library: its name in the module, the op, the op's parameters, its
     arguments in call order, and its padding contract (``codegen.policy``; None for data
     movement, which has none). ``tuned`` and ``tuning``: how the build chose its schedule
-    (informative; the runtime does not read them)."""
+    (informative; the runtime does not read them). ``threads``: ``{pool size: symbol}``, the
+    same kernel scheduled apart for a thread pool of that size (``ScheduleRule.for_threads``:
+    the same arithmetic, only the tasks differ), which the runtime calls in its place when
+    TVM's pool has that many threads."""
 
     name: str
     op: str
@@ -58,6 +61,7 @@ class KernelRecord:
     padding: dict | None = None
     tuned: bool | None = None
     tuning: dict | None = None
+    threads: dict | None = None
 
     def to_json(self) -> dict:
         out = {"name": self.name, "op": self.op, "params": self.params,
@@ -65,6 +69,8 @@ class KernelRecord:
         for key in ("padding", "tuned", "tuning"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.threads:
+            out["threads"] = {str(n): symbol for n, symbol in sorted(self.threads.items())}
         return out
 
     @classmethod
@@ -73,8 +79,10 @@ class KernelRecord:
             return cls(entry["name"], entry["op"],
                        tuple(ArgRecord.from_json(a) for a in entry["args"]),
                        entry.get("params", {}), entry.get("padding"), entry.get("tuned"),
-                       entry.get("tuning"))
-        except (KeyError, TypeError) as e:
+                       entry.get("tuning"),
+                       {int(n): str(s) for n, s in entry["threads"].items()}
+                       if entry.get("threads") else None)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LoadError(f"a manifest kernel entry lacks or mangles {e}: "
                             f"{json.dumps(entry)[:200]}; rebuild the library") from None
 

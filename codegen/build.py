@@ -24,6 +24,10 @@ from .spec import Spec, as_spec
 from .targets import Target, check_toolchain, get_target
 
 
+#: a kernel's variant for a pool of N threads is the symbol ``<kernel>__threads<N>``
+POOL_VARIANT = "__threads"
+
+
 @dataclass
 class BuildResult:
     out_dir: str
@@ -51,7 +55,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
 
     import tvm
 
-    from blockpad.schedules import schedule
+    from blockpad.schedules import schedule_for_pools
 
     os.makedirs(out_dir, exist_ok=True)
     start = time.perf_counter()
@@ -85,24 +89,33 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
         extra = f" + {len(made) - 1} stage kernel" if len(made) > 1 else ""
         log(f"[{i}/{n}] {req.name}{extra}: generated ({time.perf_counter() - t0:.2f} s)")
     kernels += _runtime_zero_pads(kernels)
-    funcs, tuning = {}, {}
+    funcs, tuning, pools = {}, {}, {}
     t0 = time.perf_counter()
     for k in kernels:
         req = entry_of.get(k.name)
 
         def choose_and_schedule(k=k):
+            """A tuning record's schedule (measured at the tuning's thread count), else the
+            rule's default and its variants for other pool sizes."""
             choice = logs.choose(tuned_as.get(k.name, k.name), k.func, tvm_target)
-            func = choice.func if choice.func is not None else schedule(k.func, target)
-            return choice.status, alias_inplace(func, k)
+            func, variants = (choice.func, {}) if choice.func is not None \
+                else schedule_for_pools(k.func, target)
+            return choice.status, alias_inplace(func, k), \
+                {n: alias_inplace(f, k) for n, f in variants.items()}
         done = failed.run(req, "scheduling", choose_and_schedule, k.name)
         if done is not None:
-            tuning[k.name], funcs[k.name] = done
+            tuning[k.name], funcs[k.name], variants = done
+            for n, func in variants.items():
+                pools.setdefault(k.name, {})[n] = symbol = f"{k.name}{POOL_VARIANT}{n}"
+                funcs[symbol] = func.with_attr("global_symbol", symbol)
     failed.raise_any(target)
     log(f"scheduled {len(kernels)} kernels for {target.name} ({time.perf_counter() - t0:.2f} s)")
     _log_tuning(log, tuning, logs.dir)
     n = len(kernels)
-
-    log(f"compiling {n} kernels for {target.name} ({target.description}) ...")
+    variants = len(funcs) - n
+    log(f"compiling {n} kernels"
+        + (f" (+ {variants} scheduled for other thread counts)" if variants else "")
+        + f" for {target.name} ({target.description}) ...")
     t0 = time.perf_counter()
     if target.family == "cuda":
         from . import cuda_aot
@@ -138,7 +151,8 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
         "target": {"name": target.name, "tvm": target.tvm, "arch": target.arch,
                    "features": list(target.features)},
         "policy": spec.policy,
-        "kernels": [k.record(tuned=tuning[k.name].pop("tuned"), tuning=tuning[k.name]).to_json()
+        "kernels": [k.record(tuned=tuning[k.name].pop("tuned"), tuning=tuning[k.name],
+                             threads=pools.get(k.name)).to_json()
                     for k in kernels],
     }
     mf.write(out_dir, manifest)

@@ -19,7 +19,7 @@ from blockpad.vocabulary import INPLACE_SOURCES, KERNEL_ZEROS, SEVEN_BIT_RANGE
 from . import padding
 from .loadable import check_loadable
 from .memory import CLEAN, Memory, aligned_empty
-from .tvm_runtime import load_module
+from .tvm_runtime import load_module, pool_threads
 
 
 class Signature:
@@ -321,9 +321,25 @@ class Library:
         if name not in self.kernels:
             raise KeyError(f"{name!r}: this library has kernels {', '.join(sorted(self.kernels))}")
         if name not in self._cache:
-            func = _unloaded(self, name) if self._module is None else self._module[name]
-            self._cache[name] = Kernel(self.kernels[name], func, self)
+            self._cache[name] = Kernel(self.kernels[name], self._function(name), self)
         return self._cache[name]
+
+    def symbol(self, name) -> str:
+        """The compiled function that runs kernel ``name`` in this process: its variant for
+        a pool of this many threads, if the build scheduled one (``KernelRecord.threads``)."""
+        threads = self.kernels[name].record.threads
+        return threads.get(pool_threads(), name) if threads else name
+
+    def _function(self, name):
+        if self._module is None:
+            return _unloaded(self, name)
+        symbol = self.symbol(name)
+        try:
+            return self._module[symbol]
+        except AttributeError:
+            raise LoadError(f"{self.path}: kernel {name}: the library has no function {symbol} "
+                            f"(its manifest names it for a pool of {pool_threads()} threads); "
+                            f"rebuild the library") from None
 
     def inplace_form(self, sig: Signature, source: int):
         """The kernel computing ``sig`` in place over its argument ``source`` (built with

@@ -23,6 +23,18 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def pool_threads() -> int:
+    """The threads of TVM's pool, which runs a kernel's parallel loops: ``TVM_NUM_THREADS``
+    (settled, to every core unless the caller chose, before any pool starts), read as TVM
+    reads it."""
+    _runtime()
+    try:
+        return max(1, int(os.environ["TVM_NUM_THREADS"]))
+    except ValueError:
+        raise LoadError(f"TVM_NUM_THREADS={os.environ['TVM_NUM_THREADS']!r}: expected a "
+                        f"number of threads") from None
+
+
 @functools.lru_cache(maxsize=1)
 def _runtime():
     # The pool reads its size when it starts: settle it before anything can start it.

@@ -23,7 +23,7 @@ from . import (
     x86_tensorized,
 )
 from .elementwise import Elementwise
-from .rule import first_match
+from .rule import distinct, first_match
 from .vector_math import VectorMath
 
 RULES = {
@@ -40,6 +40,25 @@ RULES = {
 def schedule(func: tvm.tirx.PrimFunc, target) -> tvm.tirx.PrimFunc:
     """Apply the first rule of ``target.family`` that takes ``func``; return the scheduled func."""
     return finish(first_match(RULES[target.family], func, target)[1].mod["main"], target)
+
+
+#: the pool sizes a rule may schedule a kernel apart for (``ScheduleRule.for_threads``): one
+#: core, where work split into tasks for several (the inverted residual's bands) only adds
+#: recomputation
+THREAD_VARIANTS = (1,)
+
+
+def schedule_for_pools(func: tvm.tirx.PrimFunc, target) -> tuple:
+    """``(schedule(func, target), {threads: scheduled func})``: the default and the variants
+    its rule makes for pools of ``THREAD_VARIANTS`` threads (``ScheduleRule.for_threads``),
+    those that differ from the default only. What a build compiles."""
+    rule, default = first_match(RULES[target.family], func, target)
+    variants = {}
+    for n in THREAD_VARIANTS:
+        picked = distinct([default, rule.for_threads(func, target, n)])
+        if len(picked) == 2:
+            variants[n] = finish(picked[1].mod["main"], target)
+    return finish(default.mod["main"], target), variants
 
 
 def finish(func: tvm.tirx.PrimFunc, target) -> tvm.tirx.PrimFunc:

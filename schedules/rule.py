@@ -29,6 +29,15 @@ class ScheduleRule:
         """Schedule ``func``, which ``takes`` accepted; None if the rule cannot after all."""
         raise NotImplementedError
 
+    def for_threads(self, func, target, threads: int):
+        """A schedule of ``func`` for a thread pool of exactly ``threads`` threads, where the
+        rule would split the work differently for it than ``apply``'s schedule (which serves
+        any pool); None otherwise. A schedule cannot see the pool it runs on, so the build
+        compiles this one beside the default and the runtime calls it when its pool has that
+        many threads (``schedules.thread_variants``, ``manifest.KernelRecord.threads``). It
+        must compute what ``apply``'s does, in the same order: only the tasks may differ."""
+        return None
+
     def space(self, func, target) -> list:
         """Complete schedules of ``func`` for tuning to choose between, ``apply``'s first; []
         when the rule has no variants (tuning then measures ``apply``'s one schedule)."""

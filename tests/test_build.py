@@ -13,6 +13,7 @@ import pytest
 import blockpad as bp
 from blockpad import machine
 from blockpad.codegen.spec import load_spec, parse_spec
+from blockpad.runtime.tvm_runtime import pool_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = {"kernel": [{"op": "reorder", "shape": [1, 20, 3, 3], "src": "nchw", "dst": "nChw16c"}]}
@@ -144,6 +145,22 @@ def test_tvm_version_mismatch(small_copy):
         bp.load(small_copy)
 
 
+@pytest.mark.parametrize("threads,message", [
+    (["x"], "lacks or mangles"),
+    ("this pool's", "has no function nope"),
+])
+def test_a_mangled_thread_variant_is_refused(small_copy, threads, message):
+    """``threads`` names a kernel's variants per pool size: a malformed table fails the load,
+    and a variant for this process's pool that the library lacks fails the first use of the
+    kernel, each with a LoadError, never a missing-attribute error from TVM."""
+    if threads == "this pool's":
+        threads = {str(pool_threads()): "nope"}
+    name = json.loads((small_copy / "manifest.json").read_text())["kernels"][0]["name"]
+    _edit_manifest(small_copy, lambda m: m["kernels"][0].update(threads=threads))
+    with pytest.raises(bp.LoadError, match=message):
+        bp.load(small_copy)[name]
+
+
 def test_wrong_architecture(small_copy):
     _edit_manifest(small_copy, lambda m: m["target"].update(arch="aarch64"))
     with pytest.raises(bp.LoadError, match=f"library is for aarch64.*this machine is {machine.arch()}"):
@@ -236,7 +253,7 @@ def test_build_lists_every_kernel_that_fails(tmp_path, monkeypatch):
     import blockpad.codegen.build as build_mod
     import blockpad.schedules
 
-    make, schedule = build_mod.make_kernels, blockpad.schedules.schedule
+    make, schedule = build_mod.make_kernels, blockpad.schedules.schedule_for_pools
 
     def failing_make(req):
         if req.name == "bad_generate":
@@ -249,7 +266,7 @@ def test_build_lists_every_kernel_that_fails(tmp_path, monkeypatch):
         return schedule(func, target)
 
     monkeypatch.setattr(build_mod, "make_kernels", failing_make)
-    monkeypatch.setattr(blockpad.schedules, "schedule", failing_schedule)
+    monkeypatch.setattr(blockpad.schedules, "schedule_for_pools", failing_schedule)
     entry = {"op": "zero_pad", "shape": [1, 3, 2, 2], "layout": "nChw8c"}
     doc = {"library": {"name": "three"}, "kernel": [
         {**entry, "name": "bad_generate"}, {**entry, "name": "good"},

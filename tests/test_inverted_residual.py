@@ -6,7 +6,11 @@ rule takes; what the spec refuses; and the Graph pass that finds the pattern."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -227,6 +231,65 @@ def test_tuning_space_varies_the_bands():
     assert len(space) >= 3
     assert space[0].mod["main"].script() == default.mod["main"].script()
     assert len({s.mod["main"].script() for s in space}) == len(space)
+
+
+POOL_RUN = """
+import json, sys
+import numpy as np
+import blockpad as bp
+lib = bp.load(sys.argv[1])
+kernel = lib["ir"]
+rng = np.random.default_rng(0)
+args = kernel.signature.args
+arrays = {a.name: (rng.standard_normal(a.layout.shape) * (0.3 if "weights" in a.name else 1.0))
+          .astype("float32") for a in args[:-1]}
+dst = lib.memory(args[-1].layout)
+kernel(*(bp.Memory.from_numpy(arrays[a.name], a.layout) for a in args[:-1]), dst)
+np.savez(sys.argv[2], dst=dst.to_numpy(), **arrays)
+print(json.dumps(lib.symbol("ir")))
+"""
+
+
+def test_one_thread_runs_the_image_in_one_band(tmp_path):
+    """A 14x14 block is two bands by default (a task per core; each recomputes the other's
+    halo rows); the build also compiles it in one band for a pool of one thread, and a
+    process whose pool has one thread calls that one. Both processes' results against the
+    float64 block, and equal to the bit: the bands only split the work."""
+    entry = block(24, 72, 24, (14, 14), residual=True)
+    bp.build(parse_spec({"kernel": [{**entry, "name": "ir"}]}), "host", tmp_path,
+             log=lambda m: None)
+    record, = (k for k in bp.load(tmp_path).manifest["kernels"] if k["name"] == "ir")
+    assert record["threads"] == {"1": "ir__threads1"}
+    got = {}
+    for threads in (1, 2):
+        out = tmp_path / f"run{threads}.npz"
+        proc = subprocess.run([sys.executable, "-c", POOL_RUN, str(tmp_path), str(out)],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "TVM_NUM_THREADS": str(threads)})
+        assert proc.returncode == 0, proc.stderr
+        got[threads] = json.loads(proc.stdout.splitlines()[-1]), dict(np.load(out))
+    assert got[1][0] == "ir__threads1" and got[2][0] == "ir"
+    for symbol, arrays in got.values():
+        np.testing.assert_allclose(arrays["dst"], reference(entry, arrays), rtol=1e-5,
+                                   atol=1e-5, err_msg=symbol)
+    np.testing.assert_array_equal(got[1][1]["dst"], got[2][1]["dst"])
+
+
+def test_the_one_thread_variant_is_one_band():
+    """``for_threads(1)`` drops the two-band minimum only: one parallel task where the image
+    fits the band buffer, the default where it does not (a 112x112 block), nothing for more
+    threads."""
+    rule, target = InvertedResidual(), get_target("host")
+    small = _kernels(block(24, 72, 24, (14, 14)))[0].func
+    large = _kernels(block(16, 96, 24, (112, 112), stride=2))[0].func
+    def bands(sch):   # the extent of the loop over batch x bands, the parallel tasks
+        return re.findall(r"in T\.parallel\((\d+)\)", sch.mod["main"].script())
+
+    assert bands(rule.apply(small, target)) == ["2"]
+    assert bands(rule.for_threads(small, target, 1)) == ["1"]
+    assert rule.for_threads(small, target, 2) is None
+    assert rule.for_threads(large, target, 1).mod["main"].script() == \
+        rule.apply(large, target).mod["main"].script()
 
 
 @pytest.mark.parametrize("target,register", [("host", "ymm"), ("avx512", "zmm")])
