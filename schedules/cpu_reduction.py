@@ -38,11 +38,13 @@ from tvm.sym.analyzer import Analyzer
 
 from blockpad.vocabulary import ACC, DST, EXP, MAX, NORM, SOFTMAX_STAGES, SUM
 
-from .common import REDUCE, SPATIAL, element_strides, vector_lanes
+from .common import REDUCE, SPATIAL, divisor_at_most, element_strides, vector_lanes
 from .data_movement import SERIAL_BYTES
+from .halo import clamped_source
 from .rule import ScheduleRule
 
 TILE_BYTES = 64 << 10    # softmax rows computed together: their source stays in L2 between passes
+POOL_VECTORS = 8         # destination vectors a pooling task reduces side by side
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
@@ -52,9 +54,10 @@ class _RowTiled(ScheduleRule):
     padding of a preserved destination stored back."""
 
     tile = None   # staticmethod(sch, lanes) -> bool; a lambda where the function is defined below
+    prepare = staticmethod(lambda func: func)   # rewrites of the function before it is scheduled
 
     def schedule(self, func, target):
-        sch = s_tir.Schedule(_store_padding_back(func))
+        sch = s_tir.Schedule(self.prepare(_store_padding_back(func)))
         try:
             return sch if self.tile(sch, vector_lanes(target, "float32")) else None
         except s_tir.ScheduleError:
@@ -69,6 +72,8 @@ class Softmax(_RowTiled):
 class Pool(_RowTiled):
     ops = ("pool",)
     tile = staticmethod(lambda sch, lanes: _pool(sch, lanes))
+    # the window's cells outside the image as selects of clamped reads, not branches
+    prepare = staticmethod(lambda func: clamped_source(func))
 
 
 def _softmax(sch, lanes) -> bool:
@@ -133,18 +138,27 @@ def _pool(sch, lanes) -> bool:
         return False
     if int(sch.get(inner).extent) > _width(int(sch.get(inner).extent), lanes):
         outer.append(sch.split(inner, [None, lanes])[0])
+    # a few vectors of the destination a task, their window reductions interleaved: one
+    # vector's reduction is a chain of dependent selects (the NaN-aware max: compare, blend,
+    # NaN test, blend per cell), which left the vector units idle
+    tile = None
+    pixels = divisor_at_most(int(sch.get(outer[-1]).extent), POOL_VECTORS)
+    if pixels > 1:
+        *outer, tile = [*outer[:-1], *sch.split(outer[-1], [None, pixels])]
     outer = _parallel(sch, outer)
     sch.compute_at(acc, outer)
-    _vectorize(sch, acc, lanes)
+    _vectorize(sch, acc, lanes, interleave=tile is not None)
     _vectorize(sch, dst, lanes)
     return True
 
 
-def _vectorize(sch, block, lanes):
+def _vectorize(sch, block, lanes, interleave=False):
     """Vectorise ``block`` below the kernel's outer loop: its spatial loop of least stride in
     the buffer it walks (``_walked``) goes innermost and is vectorised (split to ``_width`` lanes); the reduction
     loops go right outside it, so that the partial results stay in registers across the
-    reduction; the other spatial loops outside those, walking ``buffer`` in memory order.
+    reduction; the other spatial loops outside those, walking ``buffer`` in memory order
+    (``interleave``: inside the reduction loops and unrolled, so that the reductions of a
+    few vectors run side by side, each in its registers).
     Then the reduction's initialisation is split off, vectorised too, and the loops are
     partitioned where the vectors' Selects become uniform (``_partition_selects``)."""
     walk = _memory_order(sch, block)
@@ -157,7 +171,12 @@ def _vectorize(sch, block, lanes):
         if int(extent) > _width(int(extent), lanes):
             part, vec = sch.split(vec, [None, lanes])
             spatial.append(part)
-        sch.reorder(*spatial, *reduce, vec)
+        if interleave:
+            sch.reorder(*reduce, *spatial, vec)
+            for loop in spatial:
+                sch.unroll(loop)
+        else:
+            sch.reorder(*spatial, *reduce, vec)
         sch.vectorize(vec)
     elif vec is not None:   # a region compute_at left symbolic (a clamped block of rows): scalar
         spatial.append(vec)

@@ -101,29 +101,29 @@ def subsampled_source(func):
 
 
 def clamped_source(func):
-    """``func`` with the guarded read of its convolution window (``if_then_else(in_image,
-    src[...], 0)``) turned into ``select(in_image, src[clamped], 0)``: the read is clamped into
-    the source, so it is always safe, and the zero is a select of whole vectors, with no
-    branch and no copy of the source (``staged_source``'s pass over memory, which took as
-    long as a depthwise convolution's FMAs). Only guards that are exactly the buffer's bounds
-    are rewritten; ``func`` itself if it has no such read."""
+    """``func`` with the guarded read of its window (``if_then_else(in_image, src[...], fill)``,
+    ``fill`` a constant: 0 for a convolution's sum, the lowest value for a max pool's) turned
+    into ``select(in_image, src[clamped], fill)``: the read is clamped into the source, so it
+    is always safe, and the fill is a select of whole vectors, with no branch and no copy of
+    the source (``staged_source``'s pass over memory, which took as long as a depthwise
+    convolution's FMAs). Only guards that are exactly the buffer's bounds are rewritten;
+    ``func`` itself if it has no such read."""
     found = _window_guard(func)
     if found is None:
         return func
     guarded, lo, hi, shape = found
-    cond, load = guarded.args[0], guarded.args[1]
+    cond, load, fill = guarded.args
     idx = [x if not (a or b) else tirx.max(tirx.min(x, n - 1), 0)
            for x, a, b, n in zip(load.indices, lo, hi, shape)]
-    zero = tirx.const(0, str(load.source.ty.dtype))
-    picked = tirx.Select(cond, tirx.BufferLoad(load.source, idx), zero)
+    picked = tirx.Select(cond, tirx.BufferLoad(load.source, idx), fill)
     return func.with_body(_replace_guard(func.body, guarded, picked))
 
 
 def _replace_guard(stmt, guarded, new, reads=None):
     """``stmt`` with the ``acc`` block's call or load ``guarded`` replaced by ``new``, and the block's
     read regions mapped by ``reads`` (a function of the list), if given."""
-    def swap(c):
-        return new if c.same_as(guarded) else c
+    def swap(c):   # the read itself, or one alike (a NaN-aware max reads its cell twice)
+        return new if tvm_ffi.structural_equal(c, guarded) else c
 
     def swap_block(realize):
         blk = realize.block
@@ -183,17 +183,19 @@ def _is_guarded(body, load) -> bool:
 
 def _window_guard(func):
     """``(guard, lo, hi, shape)``: the one guarded read of a parameter in ``func``'s ``acc``
-    block (``if_then_else(cond, src[idx], 0)``) whose condition is exactly bounds of the
-    source, with how far its indices reach below 0 (``lo``) and past the end (``hi``) per
-    dim and the source's shape; None if there is no such read."""
+    block (``if_then_else(cond, src[idx], fill)``, ``fill`` a constant; it may occur more than
+    once) whose condition is exactly bounds of the source, with how far its indices reach
+    below 0 (``lo``) and past the end (``hi``) per dim and the source's shape; None if there
+    is no such read."""
     acc = _acc_block(func)
     if acc is None:
         return None
     calls = []
     tvm_ffi.structural_map(acc.body, (tvm.ir.expr.Call, lambda c: calls.append(c) or c))
     guarded = [c for c in calls if c.op.same_as(_IF_THEN_ELSE) and _is_load(c.args[1])
-               and _is_zero(c.args[2])]
-    if len(guarded) != 1 or not any(guarded[0].args[1].source.same_as(p) for p in func.params):
+               and isinstance(c.args[2], (tirx.IntImm, tirx.FloatImm))]
+    if not guarded or any(not tvm_ffi.structural_equal(g, guarded[0]) for g in guarded) \
+            or not any(guarded[0].args[1].source.same_as(p) for p in func.params):
         return None
     cond, load = guarded[0].args[0], guarded[0].args[1]
     idx = list(load.indices)
@@ -233,7 +235,3 @@ def _bound_side(ana, term, idx, shape):
 
 def _is_load(e):
     return isinstance(e, tvm.ir.expr.TensorLoad)
-
-
-def _is_zero(e):
-    return isinstance(e, (tirx.IntImm, tirx.FloatImm)) and e.value == 0

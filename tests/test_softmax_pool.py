@@ -3,6 +3,8 @@ blocks (C = 30 in blocks of 8 and 16): every layout family, NaN in source paddin
 may let it into a valid result), destinations full of NaN before the call, guard regions, and
 the padding each policy promises afterwards. One library holds every kernel."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -256,6 +258,26 @@ def test_average_counts(lib):
     np.testing.assert_allclose(run(lib, "pool_nchw_avg", x).to_numpy(), 1.0, rtol=1e-6)
     incl = run(lib, "pool_nchw_avg_incl", x).to_numpy()
     assert incl[0, 0, 0, 0] == pytest.approx(4 / 9) and incl[0, 0, 1, 1] == pytest.approx(1.0)
+
+
+def test_max_pool_reads_its_window_without_branches():
+    """ResNet's stem pool (3x3, stride 2, pad 1, nChw16c) as the x86 rule schedules it: a cell
+    outside the image is a select of a clamped read (a branch per cell ran the kernel at
+    about half ONNX Runtime's speed), and a task reduces several destination vectors side by
+    side: the window loops outside an unrolled loop of pixels, the lanes innermost."""
+    from blockpad.codegen.targets import get_target
+    from blockpad.schedules import schedule
+
+    req = parse_spec({"kernel": [{"op": "pool", "name": "mp", "algorithm": "max",
+                                  "kernel": [3, 3], "stride": [2, 2], "pad": [1, 1],
+                                  "shape": [1, 48, 112, 112], "src": "nChw16c",
+                                  "dst": "nChw16c"}]}).kernels[0]
+    script = schedule(make_kernels(req)[0].func, get_target("avx512")).script()
+    update = script[script.index('T.sblock("acc_update")') - 400:]
+    update = update[:update.index('T.sblock("dst")')]
+    assert "T.if_then_else" not in update and "T.max(T.min(" in update
+    assert re.search(r"for \w+, \w+ in T\.grid\(3, 3\):\s+for \w+ in T\.unroll\(8\):\s+"
+                     r"for \w+ in T\.vectorized\(16\)", update)
 
 
 # ---- spec errors ----------------------------------------------------------------------------
