@@ -23,7 +23,6 @@ from .ops import OPS
 from .spec import Spec, as_spec
 from .targets import Target, check_toolchain, get_target
 
-
 #: a kernel's variant for a pool of N threads is the symbol ``<kernel>__threads<N>``
 POOL_VARIANT = "__threads"
 

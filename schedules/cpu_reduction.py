@@ -19,8 +19,10 @@ memory order with vectors along its contiguous dim:
 apart, so they all fall in one 8-way L1 set and evict each other between the passes.)
 
 Pooling (``acc``, the window reduction, and ``dst``, the average's division and the padding
-store): ``acc`` is computed per vector of the destination's innermost dim, in a register-sized
-local buffer, with the window loops outside the vector.
+store): ``acc`` is computed for a few vectors of the destination at a time (``POOL_VECTORS``
+along its last dim outside the vector), in a register-sized local buffer, with the window
+loops outside those vectors, so their reductions run side by side; a window cell outside the
+image is a select of a clamped read (``halo.clamped_source``), not a branch.
 
 The loops outside the tile run in parallel (fused into one) unless the kernel is too small for
 threads to pay. The rules read block names, loops and index expressions, never layout tags; a
@@ -73,7 +75,7 @@ class Pool(_RowTiled):
     ops = ("pool",)
     tile = staticmethod(lambda sch, lanes: _pool(sch, lanes))
     # the window's cells outside the image as selects of clamped reads, not branches
-    prepare = staticmethod(lambda func: clamped_source(func))
+    prepare = staticmethod(clamped_source)
 
 
 def _softmax(sch, lanes) -> bool:
@@ -141,13 +143,12 @@ def _pool(sch, lanes) -> bool:
     # a few vectors of the destination a task, their window reductions interleaved: one
     # vector's reduction is a chain of dependent selects (the NaN-aware max: compare, blend,
     # NaN test, blend per cell), which left the vector units idle
-    tile = None
     pixels = divisor_at_most(int(sch.get(outer[-1]).extent), POOL_VECTORS)
     if pixels > 1:
-        *outer, tile = [*outer[:-1], *sch.split(outer[-1], [None, pixels])]
+        outer[-1] = sch.split(outer[-1], [None, pixels])[0]
     outer = _parallel(sch, outer)
     sch.compute_at(acc, outer)
-    _vectorize(sch, acc, lanes, interleave=tile is not None)
+    _vectorize(sch, acc, lanes, interleave=pixels > 1)
     _vectorize(sch, dst, lanes)
     return True
 
