@@ -6,7 +6,10 @@ and the whole loop body is scalarised around the calls; a gelu then runs at a fr
 memory bandwidth. oneDNN's JIT and Arm Compute Library evaluate polynomials in vector registers
 instead; TVM has the same ones (topi.fast_exp / fast_erf / fast_tanh: Cephes and Eigen, a few
 ulp in fp32), which replace the calls here. Rules call ``vector_math`` on the func they are
-given; ``VectorMath`` is the rule of last resort for kernels no other rule took.
+given; ``VectorMath`` is the rule of last resort for kernels no other rule took. A function
+of one of these polynomials (a post-op chain's exp after its gelu) stays a call: with no
+``Let`` to bind the inner value, each level of polynomials would copy the level below into
+every read of its argument.
 """
 
 from __future__ import annotations
@@ -46,9 +49,23 @@ def vector_math(func):
     if not found:
         return func
 
+    made = []   # the polynomials written so far (the walk rewrites arguments first)
+
     def rewrite(call):
+        new = expand(call)
+        if not new.same_as(call):
+            made.append(new)
+        return new
+
+    def expand(call):
         name = getattr(call.op, "name", "")
         if str(call.ty.dtype) != "float32":
+            return call
+        if call.args and _contains(call.args[0], made):
+            # a function of a polynomial (exp of a gelu): the polynomial reads its argument
+            # dozens of times, and with no Let to bind it (below) each level of such a chain
+            # multiplied the expression: one small convolution's build ran past 8 minutes.
+            # The outer function stays a call, per lane (libm): slower, and rare
             return call
         x = call.args[0] if call.args else None
         if name == "tirx.sigmoid":
@@ -63,6 +80,16 @@ def vector_math(func):
             return _fast(_FAST[name], x)
         return call
     return tvm_ffi.structural_map(func, (tvm.ir.expr.Call, rewrite))
+
+
+def _contains(x, nodes) -> bool:
+    """Whether expression ``x`` holds one of ``nodes`` (the same objects)."""
+    if not nodes:
+        return False
+
+    def visit(e):
+        return tvm_ffi.VisitInterrupt() if any(e.same_as(n) for n in nodes) else None
+    return tvm_ffi.structural_walk(x, (tvm.ir.expr.Expr, visit), order="pre") is not None
 
 
 def _exp(x):
