@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import math
 
+import tvm
+import tvm_ffi
 from tvm import s_tir
 
 from blockpad.vocabulary import ACC, DEPTHWISE, DEPTHWISE_OUT, DST, EXPAND, EXPANDED
 
-from .common import REDUCE, count_iters, divisor_at_most, tile_scope, vector_lanes
+from .common import REDUCE, SPATIAL, count_iters, divisor_at_most, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
+from .nest import uses
 from .register_tiled import accumulators
 from .rule import ScheduleRule, distinct
 from .vector_math import vector_math
@@ -82,6 +85,19 @@ def _attempt(func, target, band_bytes, min_bands):
         return _schedule(vector_math(func), target, band_bytes, min_bands)
     except s_tir.ScheduleError:
         return None
+
+
+def _channels_innermost(sch, acc) -> bool:
+    """Whether the destination's innermost dim holds output channels (``nChw<b>c``), as the
+    tiles assume: the projection weights' read in ``acc`` depends on the block's last spatial
+    iterator. A destination blocked along another dim has five dims too (``nchW16w``): taken
+    for channel blocks, its last channel came out wrong."""
+    block = sch.get(acc)
+    last = [iv.var for iv in block.iter_vars if int(iv.iter_type) == SPATIAL][-1]
+    loads = []
+    tvm_ffi.structural_walk(block.body, (tvm.ir.expr.TensorLoad, loads.append))
+    return any(uses(i, last) for load in loads if load.source.name == "weights"
+               for i in load.indices)
 
 
 def _extents(sch, block) -> list:
@@ -150,8 +166,8 @@ def _schedule(func, target, band_bytes, min_bands):
     blocks = {name: sch.get_sblock(name) for name in STAGES}
     others = [b for b in root_blocks(sch) if sch.get(b).name_hint not in STAGES]
     dst = blocks[DST]
-    if len(sch.get_loops(dst)) != 5:
-        return None               # a plain destination: the generic rule
+    if len(sch.get_loops(dst)) != 5 or not _channels_innermost(sch, blocks[ACC]):
+        return None               # not nChw<b>c (plain, or blocked along w): the generic rule
     regs = target.tile_registers
     _, kb_n, oh_n, ow_n, kb_size = _extents(sch, dst)
     _, eb_n, h_n, w_n, cb = _extents(sch, blocks[EXPANDED])

@@ -57,6 +57,10 @@ CASES = {
     "tails": block(20, 60, 12, (7, 9), act=SIGMOID),
     "k5_batch": block(16, 32, 24, (6, 7), kernel=5, batch=2),
     "plain": block(6, 18, 6, (5, 6), plain=True, residual=True),
+    # a destination of five dims blocked along w, not channels (blockpad check seed 4242 case
+    # 56: the fused rule took it for channel blocks and computed the last channel wrong)
+    "w_blocked": {**block(3, 18, 12, (8, 9), plain=True), "dst": "nchW16w",
+                  "expand_weights": "oIhw8i", "depthwise_weights": "Goihw4g"},
 }
 POLICY_CASES = {"dst_stage": ["tails"], "src": ["tails", "s1_residual"], "tracked": ["s2_8c"]}
 RUNS = [("dst_fused", c) for c in CASES] + [(p, c) for p, cs in POLICY_CASES.items() for c in cs]
@@ -139,8 +143,11 @@ def test_rule_keeps_the_expansion_in_bands(case, target):
         assert f'T.sblock("{stage}")' in main
 
 
-def test_rule_leaves_a_plain_block_to_the_generic_one():
-    assert InvertedResidual().apply(_kernels(CASES["plain"])[0].func, get_target("host")) is None
+@pytest.mark.parametrize("case", ["plain", "w_blocked"])
+def test_rule_leaves_a_plain_block_to_the_generic_one(case):
+    """The rule's tiles are channel blocks: a plain destination, or one blocked along w, is
+    the generic rule's (its numbers: test_fused_block_matches_numpy)."""
+    assert InvertedResidual().apply(_kernels(CASES[case])[0].func, get_target("host")) is None
 
 
 @pytest.mark.parametrize("change,message", [
