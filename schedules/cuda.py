@@ -229,10 +229,6 @@ def loop_depth(sch, block, loop) -> int:
     return 1 + next(i for i, l in enumerate(sch.get_loops(block)) if sch.get(l).same_as(stmt))
 
 
-def uses(expr, var) -> bool:
-    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
-
-
 def pow2_above(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 

@@ -42,9 +42,10 @@ from tvm import s_tir, tirx
 from blockpad.vocabulary import ACC, DST
 
 from .common import SPATIAL
-from .cuda import TENSOR_CORE_MIN, bind_spatial, dlight_style, loop_depth, pow2_above, predicated_schedule, uses
+from .cuda import TENSOR_CORE_MIN, bind_spatial, dlight_style, loop_depth, pow2_above, predicated_schedule
 from .generic import root_blocks
 from .halo import staged_source
+from .nest import uses
 from .rule import ScheduleRule
 
 _IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")

@@ -36,7 +36,8 @@ from tvm import s_tir, tirx
 from blockpad.vocabulary import ACC, DST, EXP, MAX, NORM, SUM
 
 from .common import SPATIAL
-from .cuda import THREADS, bind_spatial, loop_depth, pow2_above, predicated_schedule, uses
+from .cuda import THREADS, bind_spatial, loop_depth, pow2_above, predicated_schedule
+from .nest import uses
 from .rule import ScheduleRule
 
 EXP_BYTES = 32 << 10   # the largest exp tile kept in shared memory
