@@ -40,12 +40,8 @@ def vector_math(func):
     """``func`` with fp32 exp/erf/tanh/sigmoid calls replaced by polynomial expressions that
     vectorise (unchanged when it has none)."""
     found = []
-
-    def visit(call):
-        name = getattr(call.op, "name", "")
-        if (name in _FAST or name == "tirx.sigmoid") and str(call.ty.dtype) == "float32":
-            found.append(call)
-    tvm_ffi.structural_walk(func.body, (tvm.ir.expr.Call, visit))
+    tvm_ffi.structural_walk(func.body, (tvm.ir.expr.Call,
+                                        lambda c: found.append(c) if _replaced(c) else None))
     if not found:
         return func
 
@@ -58,16 +54,14 @@ def vector_math(func):
         return new
 
     def expand(call):
-        name = getattr(call.op, "name", "")
-        if str(call.ty.dtype) != "float32":
-            return call
-        if call.args and _contains(call.args[0], made):
+        if not _replaced(call) or _contains(call.args[0], made):
             # a function of a polynomial (exp of a gelu): the polynomial reads its argument
             # dozens of times, and with no Let to bind it (below) each level of such a chain
             # multiplied the expression: one small convolution's build ran past 8 minutes.
             # The outer function stays a call, per lane (libm): slower, and rare
             return call
-        x = call.args[0] if call.args else None
+        name = call.op.name
+        x = call.args[0]
         if name == "tirx.sigmoid":
             one = tirx.const(1.0, "float32")
             return one / (one + _fast("fast_exp", -x))
@@ -76,10 +70,14 @@ def vector_math(func):
                                                tirx.const(-_TANH_CLAMP, "float32")))
         if name == "tirx.exp":
             return _exp(x)
-        if name in _FAST:
-            return _fast(_FAST[name], x)
-        return call
+        return _fast(_FAST[name], x)
     return tvm_ffi.structural_map(func, (tvm.ir.expr.Call, rewrite))
+
+
+def _replaced(call) -> bool:
+    """Whether ``call`` is one of the fp32 functions ``vector_math`` writes as a polynomial."""
+    name = getattr(call.op, "name", "")
+    return (name in _FAST or name == "tirx.sigmoid") and str(call.ty.dtype) == "float32"
 
 
 def _contains(x, nodes) -> bool:
