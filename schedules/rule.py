@@ -34,7 +34,7 @@ class ScheduleRule:
         rule would split the work differently for it than ``apply``'s schedule (which serves
         any pool); None otherwise. A schedule cannot see the pool it runs on, so the build
         compiles this one beside the default and the runtime calls it when its pool has that
-        many threads (``schedules.thread_variants``, ``manifest.KernelRecord.threads``). It
+        many threads (``schedules.schedule_for_pools``, ``manifest.KernelRecord.threads``). It
         must compute what ``apply``'s does, in the same order: only the tasks may differ."""
         return None
 
