@@ -816,6 +816,10 @@ def test_results_of_earlier_runs_keep_their_values(cache, rng):
     assert np.array_equal(first["eltwise_0"].numpy(), want)
     assert np.array_equal(first_plain, want)
     assert first.report.kernels == second.report.kernels > 0   # filled when read
+    xf = np.asfortranarray(arr(rng, S))              # copied to be read: copied again each run
+    before = g(x=xf)
+    xf[...] = -xf
+    assert np.array_equal(g(x=xf), np.maximum(xf, 0)) and np.array_equal(before, np.maximum(-xf, 0))
 
 
 def test_every_op_method_takes_out(cache, rng):

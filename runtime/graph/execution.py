@@ -268,7 +268,9 @@ class _Execution:
                 mem.buffer, mem.state = held[1], CLEAN
             else:
                 mem.buffer, mem.state = _input_buffer(value, b.layout)
-                self._held[s.value] = (value, mem.buffer)
+                # a view only: a copy (of a non-contiguous array) would miss later writes
+                alias = isinstance(value, np.ndarray) and np.may_share_memory(mem.buffer, value)
+                self._held[s.value] = (value, mem.buffer) if alias else None
             if s.value in clean:
                 mem.state = CLEAN          # the caller vouches for its padding
             if mem.state != CLEAN and plan.policy == "user" and stream is not None:
