@@ -46,8 +46,8 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
     key = build_key(spec, target, tuning_logs)
     out_dir = os.fspath(out_dir)
     if not force and _up_to_date(out_dir, key):
-        log(f"{out_dir}: up to date ({len(spec.kernels)} kernels for {target.name}, "
-            f"build key {key[:12]}); nothing to do")
+        log(f"{out_dir}: kernels up to date ({len(spec.kernels)} for {target.name}, "
+            f"build key {key[:12]}); nothing to compile")
         return BuildResult(out_dir, mf.read(out_dir), rebuilt=False)
 
     check_toolchain(target)

@@ -52,7 +52,7 @@ def test_rebuild_does_nothing_and_says_so(small_dir):
     lines = []
     result = bp.build(parse_spec(SMALL), "host", small_dir, log=lines.append)
     assert not result.rebuilt
-    assert any("up to date" in line and "nothing to do" in line for line in lines)
+    assert any("up to date" in line and "nothing to compile" in line for line in lines)
 
 
 def test_build_shows_progress_and_a_changed_spec_rebuilds(tmp_path):
@@ -191,7 +191,7 @@ def test_cli_build_and_info(tmp_path):
     assert first.returncode == 0, first.stderr
     assert "[1/1]" in first.stderr
     again = run("build", str(spec), "--target", "host", "--out", str(tmp_path / "o"))
-    assert "nothing to do" in again.stderr
+    assert "nothing to compile" in again.stderr
     info = run("info", str(tmp_path / "o"))
     assert "zero_pad_nChw8c_f32_1x3x2x2(inout buf: nChw8c[1, 3, 2, 2] float32)" in info.stdout
     bad = run("build", str(tmp_path / "missing.toml"), "--out", str(tmp_path / "x"))
@@ -286,7 +286,7 @@ def test_build_takes_a_spec_as_a_dict(small_dir):
     """A dict shaped like the TOML is a spec: the same build key as its parsed form."""
     lines = []
     result = bp.build(SMALL, "host", small_dir, log=lines.append)
-    assert not result.rebuilt and "nothing to do" in lines[0]
+    assert not result.rebuilt and "nothing to compile" in lines[0]
     with pytest.raises(bp.SpecError, match="spec dict: expected one or more"):
         bp.build({"kernels": []}, "host", small_dir)
 
