@@ -167,7 +167,7 @@ def _band_rows(height, stride, kernel, cores, most) -> int:
     over ``cores`` (the parallel loop gives each core a run of whole bands), the fewest
     expanded rows on the busiest core, each band's halo rows counted. MobileNetV2's 16 -> 96
     -> 24 at 112x112, stride 2: 5 bands of 12 rows (3 on one core, 2 on the other) became 8
-    of 7, 2 threads 0.445 -> 0.36 ms (AVX-512 Zen 4, alone, hot)."""
+    of 7, 2 threads 0.445 -> 0.35 ms (AVX-512 Zen 4, alone, hot)."""
     def busiest(rows):
         bands = -(-height // rows)
         per_core = -(-bands // cores)

@@ -169,7 +169,7 @@ class _Execution:
         self.labels = []   # each call's step label, or BIND_LABEL for a memory's creation
         self._bound = False
         self._flats = {}   # constant name -> (its array, the flat view the kernels read)
-        self._held = {}    # input name -> (the value given last run, the buffer made of it)
+        self._held = {}    # input name -> (the array given last run, its flat view), or None
 
     def _flat(self, name):
         """The constant ``name`` as a flat buffer, the same object run after run while the
@@ -262,7 +262,7 @@ class _Execution:
             s = b.storage
             value = given[s.value]
             held = self._held.get(s.value)
-            if held is not None and held[0] is value and not isinstance(value, Memory):
+            if held is not None and held[0] is value:
                 # the array of the last run again: its flat view again, so the kernels reading
                 # it keep their bound arguments (remade, ~30 us after a network, cold)
                 mem.buffer, mem.state = held[1], CLEAN
