@@ -103,25 +103,36 @@ class RegisterTiled(ScheduleRule):
         space = self.space(func, target, first=True)
         return space[0] if space else None
 
-    def space(self, func, target, first=False) -> list:
+    def for_threads(self, func, target, threads):
+        """On one core, a panel whose weights and source overflow L2 passes over all of its
+        rows at once (``chunk_plan``'s ``once``): more rows a pass than the default's, which
+        keeps ``MIN_TASKS`` tasks for many cores; the same sums in the same order."""
+        if threads != 1 or self.configs(func, target, threads)[:1] == self.configs(func, target)[:1]:
+            return None
+        space = self.space(func, target, first=True, threads=threads)
+        return space[0] if space else None
+
+    def space(self, func, target, first=False, threads: int | None = None) -> list:
         """Complete, valid schedules of ``func``, the first one ``schedule``'s: the design spaces
         ``schedules/space.py`` hands MetaSchedule (register tile shapes, one or two vectors of
         columns, unrolled or rolled channel loop, what the threads split), each once: two
         Configs can schedule alike (what the threads split, where the whole panels are one).
-        ``first``: stop at the first that schedules. exp/erf/tanh/sigmoid in the epilogue
-        (a swish, a gelu post-op) become vector polynomials (``vector_math``): LLVM called
-        libm once per lane, which made EfficientNet-B0's convolutions with their SiLU 2x
-        slower than the convolution and the activation run apart."""
+        ``first``: stop at the first that schedules; ``threads``: for a pool of that many
+        only (``configs``). exp/erf/tanh/sigmoid in the epilogue (a swish, a gelu post-op)
+        become vector polynomials (``vector_math``): LLVM called libm once per lane, which
+        made EfficientNet-B0's convolutions with their SiLU 2x slower than the convolution
+        and the activation run apart."""
         func = vector_math(func)
-        configs = self.configs(func, target)
+        configs = self.configs(func, target, threads)
         for tails in (False, True):     # a predicated column tail only where nothing else fits
             out = distinct((_schedule(func, target, cfg, tails) for cfg in configs), first)
             if out:
                 return out
         return []
 
-    def configs(self, func, target) -> list:
-        """The default Config first, then its neighbours; [] if ``func`` is not this rule's."""
+    def configs(self, func, target, threads: int | None = None) -> list:
+        """The default Config first, then its neighbours; [] if ``func`` is not this rule's.
+        ``threads``: the pool's size where the schedule is for that many threads only."""
         if not self.takes(func, target):
             return []
         nest = _nest_shape(func)
@@ -132,10 +143,13 @@ class RegisterTiled(ScheduleRule):
                            nest.predicated)
         if not nest.predicated and rows_outer_pays(nest.src_bytes, nest.w_bytes):
             out.insert(0, dataclasses.replace(out[0], rows_outer=True))
-        chunked = chunk_plan(nest.channels, out[0]) if not nest.predicated else None
-        if chunked is not None:   # the default where the target's cores want passes, else
-            # the first neighbour (tuning on the device still tries them)
-            out.insert(0 if target.reduction_passes else 1,
+        overflows = nest.channels is not None and _panel_overflows_l2(nest, out[0])
+        chunked = chunk_plan(nest.channels, out[0], overflows and threads == 1) \
+            if not nest.predicated else None
+        if chunked is not None:   # the default where the target's cores want passes or a
+            # panel's weights and the source overflow L2, else the first neighbour (tuning on
+            # the device still tries them)
+            out.insert(0 if target.reduction_passes or overflows else 1,
                        dataclasses.replace(out[0], chunk=chunked[0], rows=chunked[1],
                                            rows_outer=False))
         return out
@@ -157,6 +171,22 @@ def rows_outer_pays(src_bytes: int, w_bytes: int) -> bool:
     return src_bytes > L2_BYTES and w_bytes <= L2_BYTES // 2
 
 
+def _panel_overflows_l2(nest: Nest, cfg: Config) -> bool:
+    """Whether one panel's weights (``cfg.mu`` blocks of output channels over every input
+    channel and tap) fill more than half of L2 and overflow it with the source: then each row
+    of tiles evicts what the next one reads again, and a panel streams its weights from L3
+    once per row (small weights stay: ``rows_outer_pays`` is for a large source), which
+    passes over the channels (``chunk_plan``), each over all of a panel's rows, read once.
+    The channel-pruned ResNet-50's 3x3 450 -> 334 stride 2 at 14x14 (802 KB of weights a
+    panel, 364 KB of source) on a Zen 4 (avx512, one kernel alone, 7 x 3 tiles): 1.58-1.63 ms
+    in one pass, 1.39 in passes over all 7 rows, 1.61 over one row at a time; at 2 threads
+    0.84 / 0.86 / 0.85 (7 tasks for 2 cores against 49). Passes otherwise cost on that core
+    (``Target.reduction_passes``)."""
+    c = nest.channels
+    panel_bytes = c.blocks * c.block * c.taps * cfg.mu * cfg.nr * c.itemsize
+    return panel_bytes > L2_BYTES // 2 and panel_bytes + nest.src_bytes > L2_BYTES
+
+
 #: Bytes of weights a chunked pass keeps in L1 (``chunk_plan``): half of a 32 KiB L1D.
 CHUNK_BYTES = 16 << 10
 #: Tasks (panels x groups of rows) a chunked schedule leaves the threads at least, where the
@@ -166,9 +196,12 @@ MIN_TASKS = 8
 GROUP_BYTES = 32 << 10
 
 
-def chunk_plan(shape: ChannelPasses | None, cfg: Config):
+def chunk_plan(shape: ChannelPasses | None, cfg: Config, once: bool = False):
     """``(chunk, rows)`` for ``cfg``'s tiles where a panel's weights outgrow L1, else None
     (also where the nest has no ``shape``: no channel blocks or row dim to pass over).
+    ``once``: a panel's weights must be read once (with the source they overflow L2,
+    ``_panel_overflows_l2``), so a group takes all the rows its scratch may hold, however few
+    tasks that leaves.
 
     A tile reduces over all of its panel's weights: ``mu x nr`` output channels times every
     input channel and kernel tap (1x1 1024 -> 256 with 2 x 16 columns: 128 KiB), which L1 does
@@ -197,7 +230,7 @@ def chunk_plan(shape: ChannelPasses | None, cfg: Config):
     fits = [d for d in range(1, shape.height + 1)
             if shape.height % d == 0 and (d == 1 or d * row_bytes <= GROUP_BYTES)]
     panels = -(-shape.panels // cfg.mu)
-    enough = [d for d in fits if panels * (shape.height // d) >= MIN_TASKS]
+    enough = [d for d in fits if once or panels * (shape.height // d) >= MIN_TASKS]
     return chunk, max(enough) if enough else min(fits)
 
 
@@ -214,6 +247,7 @@ def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False) ->
             most = max(1, accumulators(regs, vecs)[0] // vecs)
             if vecs >= 3:   # three weight vectors live: 12 accumulators (see _panel_blocks)
                 most = min(most, max(1, 12 // vecs))
+                most = _whole_row_height(t_extent, most, vecs, regs)
             busy = -(-accumulators(regs, vecs)[1] // vecs)
             out += [Config(mr, nr, lanes, mu=mu) for mr in _tile_heights(t_extent, most, busy)]
     out.sort(key=lambda c: (-round(_tile_score(c, t_extent, v_extent, lanes, regs), 3),
@@ -222,6 +256,21 @@ def tile_configs(t_extent, v_extent, u_extent, lanes, regs, predicated=False) ->
     out += [Config(best.mr, best.nr, lanes, unroll=False, mu=best.mu),
             Config(best.mr, best.nr, lanes, parallel_tiles=False, mu=best.mu)]
     return out
+
+
+def _whole_row_height(t_extent: int, most: int, vecs: int, regs: int) -> int:
+    """The most rows of a tile of ``vecs`` (3) weight vectors: ``most`` (4: 12 accumulators),
+    or, where tiles of ``most`` rows would run past the end of the rows, the largest height
+    up to 7 that divides them and fits the registers with the weights and a broadcast (7: 21
+    + 3 + 1 of AVX-512's 32; 9 rows keep 4: 5 would cost 15 accumulators and a row past the
+    end, unmeasured). A channel-pruned ResNet-50's layer4 (7x7, blocks in threes) computed 8
+    columns for 7 in tiles of 4. Measured on a Zen 4 (avx512, 1 thread, one kernel alone): 3x3 349 -> 330 at 7x7 1.20 -> 1.02 ms
+    (4 x 3 against 7 x 3), 1x1 384 -> 336 at 14x14 0.515 -> 0.468; rows that 4 divides keep 4
+    (28 wide: 2.32 against 2.35 ms with 7 x 3; 56 wide, 1x1 213 -> 44: 0.72 against 0.71)."""
+    if t_extent % most == 0:
+        return most
+    fits = [m for m in range(most + 1, 8) if t_extent % m == 0 and m * vecs + vecs + 1 <= regs]
+    return max(fits, default=most)
 
 
 def _panel_blocks(u_extent: int, regs: int) -> int:

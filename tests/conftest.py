@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -198,3 +201,34 @@ def dot_inputs(sig, rng) -> dict:
         if sig.padding and sig.padding["reads"] == "masked" and lay.has_padding:
             out[name].buffer[lay.padding_offsets()] = 0x7F if dt.kind in "iu" else np.nan
     return out
+
+
+POOL_RUN = """
+import json, sys
+import numpy as np
+import blockpad as bp
+lib = bp.load(sys.argv[1])
+kernel = lib[sys.argv[2]]
+rng = np.random.default_rng(0)
+args = kernel.signature.args
+arrays = {a.name: (rng.standard_normal(a.layout.shape)
+                   * (float(sys.argv[4]) if "weights" in a.name else 1.0)).astype("float32")
+          for a in args[:-1]}
+dst = lib.memory(args[-1].layout)
+kernel(*(bp.Memory.from_numpy(arrays[a.name], a.layout) for a in args[:-1]), dst)
+np.savez(sys.argv[3], dst=dst.to_numpy(), **arrays)
+print(json.dumps(lib.symbol(sys.argv[2])))
+"""
+
+
+def run_in_pool(lib_dir, kernel, threads: int, weight_scale: float = 1.0):
+    """``(symbol, arrays)``: call float32 ``kernel`` of the library in ``lib_dir`` once on
+    seeded random inputs in a fresh process whose thread pool has ``threads`` threads (the
+    pool size picks a kernel's variant: ``manifest.KernelRecord.threads``); ``arrays`` holds
+    the inputs by argument name and the result as ``dst``."""
+    out = os.path.join(lib_dir, f"pool_run_{kernel}_{threads}.npz")
+    proc = subprocess.run([sys.executable, "-c", POOL_RUN, str(lib_dir), kernel, out,
+                           str(weight_scale)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TVM_NUM_THREADS": str(threads)})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1]), dict(np.load(out))

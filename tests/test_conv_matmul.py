@@ -4,6 +4,8 @@ generator derives; the destination padding each policy promises; the x86 registe
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -18,7 +20,13 @@ from blockpad.codegen.targets import get_target
 from blockpad.schedules.register_tiled import RegisterTiled
 from blockpad.schedules.register_tiled import _schedule as rule_schedule
 
-from .conftest import assert_padding_contract, garbage, policy_libraries, run_guarded
+from .conftest import (
+    assert_padding_contract,
+    garbage,
+    policy_libraries,
+    run_guarded,
+    run_in_pool,
+)
 
 RELU = {"kind": "eltwise", "algorithm": "relu"}
 SIGMOID = {"kind": "eltwise", "algorithm": "sigmoid"}
@@ -589,6 +597,56 @@ def test_channels_are_reduced_in_passes_where_the_weights_outgrow_l1(rng, shape,
                                                                  res)
         got = bp.Memory(dst_layout, res.numpy().reshape(-1)).to_numpy()
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("target_name", ["host", "zen4"])
+def test_one_thread_reads_a_panels_weights_once(tmp_path, target_name):
+    """A 3x3 stride 2 from 1024 channels at 14x14: a panel's weights (590 KiB on host's
+    one-block panels, 1.2 MiB on zen4's pairs) and the source (784 KiB) overflow L2 together.
+    The default passes over the channels a row at a time (``MIN_TASKS`` tasks for many
+    cores), and ``zen4``, whose default is one pass elsewhere, passes too; the build adds a
+    variant for a pool of one thread that passes over all 7 rows at once, so each weight is
+    read once (``chunk_plan``'s ``once``). Both processes' results against numpy, and equal to
+    the bit: the same sums in the same order."""
+    entry = {"op": "conv2d", "shape": [1, 1024, 14, 14], "channels": 20, "kernel": [3, 3],
+             "stride": [2, 2], "pad": [1, 1], **BLK16,
+             "post_ops": [{"kind": "bias"}, RELU]}
+    func = _kernels(entry)[0].func
+    target = get_target(target_name)
+    rule = RegisterTiled()
+    default, single = rule.configs(func, target)[0], rule.configs(func, target, 1)[0]
+    assert default.chunk and default.rows == 1
+    assert single == dataclasses.replace(default, rows=7)
+    assert rule.for_threads(func, target, 2) is None
+    missing = machine.missing_features(target.features)
+    if missing:
+        pytest.skip(f"{target_name}'s kernels need {missing} (the schedules were checked)")
+    bp.build(parse_spec({"kernel": [{**entry, "name": "k"}]}), target_name, tmp_path,
+             log=lambda m: None)
+    record, = (k for k in bp.load(tmp_path).manifest["kernels"] if k["name"] == "k")
+    assert record["threads"] == {"1": "k__threads1"}
+    got = {threads: run_in_pool(tmp_path, "k", threads, weight_scale=0.05)
+           for threads in (1, 2)}
+    assert got[1][0] == "k__threads1" and got[2][0] == "k"
+    for symbol, arrays in got.values():
+        ref = np.maximum(conv_ref(arrays["src"], arrays["weights"], (2, 2), (1, 1))
+                         + arrays["bias"][None, :, None, None], 0)
+        np.testing.assert_allclose(arrays["dst"], ref, rtol=1e-4, atol=1e-4, err_msg=symbol)
+    np.testing.assert_array_equal(got[1][1]["dst"], got[2][1]["dst"])
+
+
+def test_three_block_panels_cover_short_rows_whole():
+    """Tiles of three output-channel blocks keep 12 accumulators (4 rows) where 4 divides the
+    rows, and take 7 rows (21 accumulators) where tiles of 4 would compute 8 columns for 7
+    (``_whole_row_height``)."""
+    def first(width):
+        entry = {"op": "conv2d", "shape": [1, 64, width, width], "channels": 48,
+                 "kernel": [3, 3], "pad": [1, 1], **BLK16}
+        return RegisterTiled().configs(_kernels(entry)[0].func, get_target("avx512"))[0]
+
+    assert (first(7).mu, first(7).mr) == (3, 7)
+    assert (first(14).mu, first(14).mr) == (3, 7)
+    assert (first(28).mu, first(28).mr) == (3, 4)
 
 
 def test_register_tiled_hot_loop_has_no_guards_or_tails():

@@ -6,11 +6,7 @@ rule takes; what the spec refuses; and the Graph pass that finds the pattern."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -30,6 +26,7 @@ from .conftest import (
     kernel_instructions,
     policy_libraries,
     run_guarded,
+    run_in_pool,
 )
 from .test_conv_matmul import _kernels
 
@@ -240,23 +237,6 @@ def test_tuning_space_varies_the_bands():
     assert len({s.mod["main"].script() for s in space}) == len(space)
 
 
-POOL_RUN = """
-import json, sys
-import numpy as np
-import blockpad as bp
-lib = bp.load(sys.argv[1])
-kernel = lib["ir"]
-rng = np.random.default_rng(0)
-args = kernel.signature.args
-arrays = {a.name: (rng.standard_normal(a.layout.shape) * (0.3 if "weights" in a.name else 1.0))
-          .astype("float32") for a in args[:-1]}
-dst = lib.memory(args[-1].layout)
-kernel(*(bp.Memory.from_numpy(arrays[a.name], a.layout) for a in args[:-1]), dst)
-np.savez(sys.argv[2], dst=dst.to_numpy(), **arrays)
-print(json.dumps(lib.symbol("ir")))
-"""
-
-
 def test_one_thread_runs_the_image_in_one_band(tmp_path):
     """A 14x14 block is two bands by default (a task per core; each recomputes the other's
     halo rows); the build also compiles it in one band for a pool of one thread, and a
@@ -267,14 +247,8 @@ def test_one_thread_runs_the_image_in_one_band(tmp_path):
              log=lambda m: None)
     record, = (k for k in bp.load(tmp_path).manifest["kernels"] if k["name"] == "ir")
     assert record["threads"] == {"1": "ir__threads1"}
-    got = {}
-    for threads in (1, 2):
-        out = tmp_path / f"run{threads}.npz"
-        proc = subprocess.run([sys.executable, "-c", POOL_RUN, str(tmp_path), str(out)],
-                              capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "TVM_NUM_THREADS": str(threads)})
-        assert proc.returncode == 0, proc.stderr
-        got[threads] = json.loads(proc.stdout.splitlines()[-1]), dict(np.load(out))
+    got = {threads: run_in_pool(tmp_path, "ir", threads, weight_scale=0.3)
+           for threads in (1, 2)}
     assert got[1][0] == "ir__threads1" and got[2][0] == "ir"
     for symbol, arrays in got.values():
         np.testing.assert_allclose(arrays["dst"], reference(entry, arrays), rtol=1e-5,
