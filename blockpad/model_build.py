@@ -312,6 +312,40 @@ def _algorithms_picked(doc: dict, plan) -> dict:
     return {**doc, "nodes": nodes}
 
 
+def _native_plan(plan, cache, lib, target, out_dir, log) -> dict | None:
+    """Compile the plan's kernel calls into ``plan.so`` (``runtime/graph/native.py``) and
+    return what ``model.json`` records of it, or None (and say why) where a run needs more
+    than kernel calls: its steps are called from Python then."""
+    from blockpad.codegen.plan_function import build_plan
+    from blockpad.runtime.graph.execution import describe_plan
+    from blockpad.runtime.graph.native import PLAN_FUNCTION
+
+    desc, why = describe_plan(plan, cache)
+    path = os.path.join(out_dir, rm.PLAN_LIBRARY)
+    if desc is None:
+        for stale in (path, path + ".py"):
+            if os.path.exists(stale):
+                os.remove(stale)
+        log(f"no plan function: {why}; the steps are called from Python")
+        return None
+    variants = {n: rec.threads for n, rec in ((c.kernel, lib.kernels[c.kernel].record)
+                                              for c in desc.calls) if rec.threads}
+    pools = sorted({n for threads in variants.values() for n in threads})
+    functions = {"": PLAN_FUNCTION, **{str(n): f"{PLAN_FUNCTION}__threads{n}" for n in pools}}
+
+    def calls(pool):
+        return [(variants.get(c.kernel, {}).get(pool, c.kernel),
+                 [(a.backing, a.offset, a.shape, a.dtype, a.strides) for a in c.args])
+                for c in desc.calls]
+    t0 = time.perf_counter()
+    build_plan({name: calls(int(pool) if pool else None) for pool, name in functions.items()},
+               desc.backings, target, path)
+    log(f"plan function: {len(desc.calls)} kernel calls over {desc.backings} buffers, "
+        f"compiled in {time.perf_counter() - t0:.1f} s")
+    return {"library": rm.PLAN_LIBRARY, "sha256": mf.file_sha256(path),
+            "digest": desc.digest(), "functions": functions}
+
+
 def build_model(source, target="host", out_dir="build/model", force=False, log=None,
                 tuning_logs=None, conv_algorithm="auto") -> str:
     """Build ``source`` (a ``bp.Graph``, an ONNX path or ModelProto) for ``target`` (a name;
@@ -357,9 +391,10 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
         raise BuildError(f"{out_dir}: the plan over the built library differs from the probed "
                          f"one:\n{plan.describe()}")
     constants = _pack(g, plan)
+    native = _native_plan(plan, built.cache, lib, target, out_dir, log)
     rm.write_model(out_dir, _algorithms_picked(doc, plan), constants, lines,
                    {"build_key": key, "target": target.name, "kernels": len(requests),
-                    "auto_picks": picks})
+                    "auto_picks": picks, "native": native})
     size = sum(m.layout.nbytes for _, ms in constants.values() for m in ms)
     log(f"wrote {out_dir}: {len(requests)} kernels, {len(lines)} steps, weights "
         f"{size / 2 ** 20:.1f} MiB packed, in {time.perf_counter() - start:.1f} s")

@@ -27,6 +27,23 @@ from .targets import Target, check_toolchain, get_target
 POOL_VARIANT = "__threads"
 
 
+def export(lib, path, target: Target) -> None:
+    """Write the compiled module ``lib`` as the shared library ``path`` for ``target``
+    (linked by its cross compiler where it has one), whole or not at all."""
+    tmp = path + ".tmp.so"
+    if target.cross_compiler:
+        from tvm.support import cc
+
+        lib.export_library(tmp, fcompile=cc.cross_compiler(target.cross_compiler))
+    elif target.family == "cuda":
+        from . import cuda_aot
+
+        cuda_aot.export(lib, tmp, target)   # device code compiled by nvcc now, not at load
+    else:
+        lib.export_library(tmp)
+    os.replace(tmp, path)
+
+
 @dataclass
 class BuildResult:
     out_dir: str
@@ -123,18 +140,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
     try:
         lib = tvm.compile(tvm.IRModule(funcs), target=target.tvm_target())
         lib_path = os.path.join(out_dir, mf.LIBRARY)
-        tmp = lib_path + ".tmp.so"
-        if target.cross_compiler:
-            from tvm.support import cc
-
-            lib.export_library(tmp, fcompile=cc.cross_compiler(target.cross_compiler))
-        elif target.family == "cuda":
-            from . import cuda_aot
-
-            cuda_aot.export(lib, tmp, target)   # device code compiled by nvcc now, not at load
-        else:
-            lib.export_library(tmp)
-        os.replace(tmp, lib_path)
+        export(lib, lib_path, target)
         _write_sources(out_dir, funcs, lib, target)
     except Exception as e:  # noqa: BLE001
         raise BuildError(f"compiling for {target.name} failed: {e}") from e

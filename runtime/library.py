@@ -324,6 +324,12 @@ class Library:
             self._cache[name] = Kernel(self.kernels[name], self._function(name), self)
         return self._cache[name]
 
+    @property
+    def module(self):
+        """The loaded shared library (a tvm_ffi Module), None for a described one; a built
+        model's plan function imports it to find the kernels (graph/native.py)."""
+        return self._module
+
     def symbol(self, name) -> str:
         """The compiled function that runs kernel ``name`` in this process: its variant for
         a pool of this many threads, if the build scheduled one (``KernelRecord.threads``)."""

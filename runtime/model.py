@@ -26,16 +26,19 @@ import numpy as np
 
 from blockpad.errors import ArgumentError, LoadError
 from blockpad.layout import Layout, numpy_dtype
+from blockpad.manifest import file_sha256
 
 from . import library
 from .cache import KernelCache
 from .graph import Graph
 from .graph.ops import plain
 from .memory import CLEAN, Memory, aligned_empty
+from .tvm_runtime import load_module, pool_threads
 
 FORMAT = 2   # 2: the weights checked by CRC-32 (1: SHA-256)
 MODEL = "model.json"
 WEIGHTS = "weights.bin"
+PLAN_LIBRARY = "plan.so"   # the plan's kernel calls as one function (graph/native.py)
 ALIGN = 64
 
 
@@ -187,6 +190,8 @@ class Model:
         self.graph = g
         if any(c["dtype"] == "int8" for c in doc["constants"]):
             weights_read()   # planning int8 convolutions reads weight bytes (weight_bits = 7)
+        if doc.get("native"):   # before the plan check plans (and keeps) the runner
+            g.native_plans[tuple(input_layouts(g).values())] = self._plan_function(doc["native"])
         try:
             lines = plan_lines(g)
         except ArgumentError as e:
@@ -200,6 +205,24 @@ class Model:
         weights_read()
         self.inputs = dict(g.inputs)
         self.outputs = list(g.outputs)
+
+    def _plan_function(self, native: dict) -> tuple:
+        """``(function, digest)``: the build's plan function for this pool size, the model's
+        kernel library imported into its module (where it finds the kernels)."""
+        path = os.path.join(self.path, native["library"])
+        try:
+            digest = file_sha256(path)
+        except OSError as e:
+            raise LoadError(f"{path}: cannot read the model's plan function ({e.strerror}); "
+                            f"rebuild the model") from None
+        if digest != native["sha256"]:
+            raise LoadError(f"{path}: content hash {digest[:16]}... does not match the "
+                            f"model's {native['sha256'][:16]}...; the file changed after the "
+                            f"build, rebuild it")
+        module = load_module(path)
+        module.import_module(self.library.module)
+        functions = native["functions"]
+        return module[functions.get(str(pool_threads()), functions[""])], native["digest"]
 
     def _read_weights(self, doc) -> tuple:
         """``(buffer, wait)``: the weights file is read into ``buffer`` and its checksum checked

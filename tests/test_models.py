@@ -177,6 +177,100 @@ def test_model_refuses_bad_inputs_and_damaged_folders(built, tmp_path):
         bp.load(bad)
 
 
+def test_a_built_model_makes_its_kernel_calls_in_one_function(built, tmp_path):
+    """The build compiles the plan's kernel calls into ``plan.so``; from the second run on a
+    run makes them in one call (``report.native``; the first binds and checks them from
+    Python), with the first run's numbers to the bit (the same kernels on the same buffers)
+    and numpy's; a new input array is read. A model whose recorded calls differ from what
+    this runtime would make (the digest) runs them from Python, with the same numbers; a
+    damaged ``plan.so`` is refused."""
+    import shutil
+
+    out, p, _ = built
+    doc = json.loads((out / MODEL).read_text())
+    assert doc["native"]["functions"] == {"": "blockpad_plan"} and (out / "plan.so").is_file()
+    model = bp.load(out)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(SHAPE).astype("float32")
+    first, second = model.run(x=x), model.run(x=x)
+    assert not first.report.native and second.report.native
+    assert "by the plan function" in str(second.report)
+    np.testing.assert_array_equal(second["probs"].numpy(), first["probs"].numpy())
+    np.testing.assert_allclose(second["probs"].numpy(), reference(x, p), atol=1e-5)
+    x2 = rng.standard_normal(SHAPE).astype("float32")
+    third = model.run(x=x2)
+    assert third.report.native
+    np.testing.assert_allclose(third["probs"].numpy(), reference(x2, p), atol=1e-5)
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    doc["native"]["digest"] = "0" * 64
+    (other / MODEL).write_text(json.dumps(doc))
+    again = bp.load(other)
+    runs = [again.run(x=x) for _ in range(2)]
+    assert not runs[1].report.native
+    np.testing.assert_array_equal(runs[1]["probs"].numpy(), first["probs"].numpy())
+    raw = bytearray((other / "plan.so").read_bytes())
+    raw[len(raw) // 2] ^= 1
+    (other / "plan.so").write_bytes(bytes(raw))
+    with pytest.raises(bp.LoadError, match="plan.so: content hash .* does not match"):
+        bp.load(other)
+
+
+POOL_RUN = """
+import json, sys
+import numpy as np
+import blockpad as bp
+model = bp.load(sys.argv[1])
+x = np.load(sys.argv[2])
+model(x)
+res = model.run(x=x)
+np.save(sys.argv[3], res[model.outputs[0]].numpy())
+print(json.dumps({"native": res.report.native}))
+"""
+
+
+def test_the_plan_function_calls_the_kernels_a_pool_size_calls(tmp_path):
+    """A MobileNetV2 block at 14x14 (32 -> 384, 294 KiB expanded: fused,
+    ``FUSE_EXPANDED_BYTES``) runs as one kernel in two bands, with a one-band variant
+    for a pool of one thread (``ScheduleRule.for_threads``): the build writes a plan function
+    for each, and a process calls the one of its pool, natively from the second run; both
+    against the float64 block, and equal to the bit (the variants only split the work)."""
+    rng = np.random.default_rng(5)
+    c, e = 32, 384
+    w = {n: (rng.standard_normal(s) * 0.3).astype("float32") for n, s in (
+        ("w1", (e, c, 1, 1)), ("b1", (e,)), ("wd", (e, 1, 3, 3)), ("bd", (e,)),
+        ("w2", (c, e, 1, 1)), ("b2", (c,)))}
+    g = bp.Graph(name="block")
+    x = g.input("x", (1, c, 14, 14))
+    k = {n: g.constant(n, v) for n, v in w.items()}
+    t = g.eltwise(g.conv2d(x, k["w1"], k["b1"]), "clip", 0.0, 6.0)
+    d = g.eltwise(g.conv2d(t, k["wd"], k["bd"], pad=1, groups=e), "clip", 0.0, 6.0)
+    g.output(g.add(g.conv2d(d, k["w2"], k["b2"]), x))
+    out = tmp_path / "block"
+    build_model(g, "host", out, log=lambda m: None)
+    doc = json.loads((out / MODEL).read_text())
+    assert doc["native"]["functions"] == {"": "blockpad_plan", "1": "blockpad_plan__threads1"}
+    xv = rng.standard_normal((1, c, 14, 14)).astype("float32")
+    np.save(tmp_path / "x.npy", xv)
+    conv = lambda a, wt, groups=1, pad=(0, 0): conv_reference(   # noqa: E731
+        a.astype(np.float64), wt.astype(np.float64),
+        {"stride": (1, 1), "pad": pad, "dilation": (1, 1), "groups": groups})
+    hid = np.clip(conv(xv, w["w1"]) + w["b1"].reshape(1, -1, 1, 1), 0, 6)
+    hid = np.clip(conv(hid, w["wd"], e, (1, 1)) + w["bd"].reshape(1, -1, 1, 1), 0, 6)
+    want = conv(hid, w["w2"]) + w["b2"].reshape(1, -1, 1, 1) + xv
+    got = {}
+    for threads in (1, 2):
+        proc = subprocess.run([sys.executable, "-c", POOL_RUN, str(out), str(tmp_path / "x.npy"),
+                               str(tmp_path / f"y{threads}.npy")], capture_output=True,
+                              text=True, timeout=300,
+                              env={**os.environ, "TVM_NUM_THREADS": str(threads)})
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"native": True}
+        got[threads] = np.load(tmp_path / f"y{threads}.npy")
+        np.testing.assert_allclose(got[threads], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got[1], got[2])
+
+
 @needs_cross_compiler("neon")
 def test_a_built_model_keeps_the_algorithm_auto_picked(tmp_path, monkeypatch):
     """``algorithm="auto"`` is resolved when the model is built: its document names the

@@ -128,6 +128,9 @@ class Graph:
         self._types: dict = {}        # var name -> (shape, dtype) of its latest definition
         self._counts: dict = {}
         self._runners: dict = {}      # input layouts -> Runner
+        # input layouts -> (compiled plan function, digest of its calls): a built model's
+        # (runtime/graph/native.py); an arena whose calls differ runs them from Python
+        self.native_plans: dict = {}
         self._lock = threading.RLock()
 
     # ---- building -----------------------------------------------------------------------------
@@ -605,7 +608,8 @@ class Graph:
                     raise ArgumentError(f"{self.name}: no outputs; call graph.output(...)")
                 plan = Plan(self, dict(zip(self.inputs, layouts)))
                 runner = self._runners[layouts] = Runner(plan, self.weight_cache, self.cache,
-                                                         len(self.nodes))
+                                                         len(self.nodes),
+                                                         self.native_plans.get(layouts))
             return runner
 
     # ---- running ------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from blockpad.vocabulary import KERNEL_ZEROS
 from .. import counters
 from ..memory import CLEAN, UNKNOWN, Memory, aligned_empty
 from ..padding import zero_pad
+from . import native
 from .kernels import MemoryRuntime, numpy_reorder
 from .ops import GRAPH_OPS
 from .planning import Plan
@@ -49,11 +50,13 @@ class Runner:
     KernelCache (results read to plain reorder with it); ``ops``: the graph's op count (for
     the report)."""
 
-    def __init__(self, plan: Plan, weights: WeightCache, cache, ops: int):
+    def __init__(self, plan: Plan, weights: WeightCache, cache, ops: int, native_plan=None):
         self.plan = plan
         self.weights = weights
         self.cache = cache
         self.ops = ops
+        # (compiled plan function, the digest of the calls it makes): a built model's, or None
+        self.native_plan = native_plan
         self.runtime = MemoryRuntime(plan.policy, cache)
         self._pool: list = []
         self._pool_lock = threading.Lock()
@@ -72,7 +75,7 @@ class Runner:
         with self._pool_lock:
             exe = self._pool.pop() if self._pool else None
         if exe is None:
-            exe = _Execution(self.plan, self.runtime, self.weights)
+            exe = _Execution(self.plan, self.runtime, self.weights, self.native_plan)
         try:
             yield exe
         finally:
@@ -115,14 +118,23 @@ class Runner:
                        report, finish)
 
 
+def describe_plan(plan: Plan, cache) -> tuple:
+    """``native.describe`` of ``plan`` over a fresh arena (the build writes the plan function
+    from it): ``(Description, backings)`` or ``(None, reason)``."""
+    return native.describe(_Execution(plan, MemoryRuntime(plan.policy, cache), None))
+
+
 class _Execution:
     """One arena of a plan: buffers and memories bound to the kernels, reused run after run
     (one per concurrent run)."""
 
-    def __init__(self, plan: Plan, runtime: MemoryRuntime, weights: WeightCache):
+    def __init__(self, plan: Plan, runtime: MemoryRuntime, weights: WeightCache,
+                 native_plan=None):
         self.plan = plan
         self.runtime = runtime
         self.weights = weights
+        self._native_plan = native_plan   # checked against this arena's calls at the bind
+        self.native = None                # native.Native once the first run bound the calls
         self.slots = [aligned_empty(n, np.uint8) for n in plan.slots]
         self.mems = {}
         kept = {}   # storage id -> the buffer of a small output storage (OUTPUT_COPY_BYTES)
@@ -158,8 +170,8 @@ class _Execution:
         self._constants = [(b, m) for b, m in given
                            if b.storage.kind == "constant" and b.storage.last is not None]
         self._weight_mems = [(b, m) for b, m in given if b.storage.kind == "weight"]
-        self._outputs = [(b, m) for b, m in given if b.storage.kind == "output"
-                         and b.storage.id not in kept]   # a new buffer each run
+        self.fresh_outputs = [(b, m) for b, m in given if b.storage.kind == "output"
+                              and b.storage.id not in kept]   # a new buffer each run
         self._copied = set(kept)
         self._unique_mems = list({id(m): m for m in self.mems.values()}.values())
         self._weights_of = None    # the weights dict the weight memories point into
@@ -207,6 +219,11 @@ class _Execution:
             labels.append(st.label)
         self.calls, self.labels = calls, labels
         self._bound = True
+        if self._native_plan is not None:
+            function, digest = self._native_plan
+            desc, _ = native.describe(self)
+            if desc is not None and desc.digest() == digest:
+                self.native = native.Native(function, self)
 
     def _binder(self, b):
         """The policy's work at "memory creation" for the buffer ``b`` its producer is about
@@ -258,6 +275,7 @@ class _Execution:
     def run(self, given, weights, report, clean=frozenset(), stream=None):
         plan = self.plan
         self.stream = stream
+        rebound = stream is not None   # a stream's zero-pads are waited for by checked calls
         for b, mem in self._inputs:
             s = b.storage
             value = given[s.value]
@@ -287,12 +305,14 @@ class _Execution:
             for b, mem in self._constants:
                 mem.buffer, mem.state = self._flat(b.storage.value), CLEAN
             self._constants_of = self.weights.version
+            rebound = True
         if self._weights_of is not weights:
             for b, mem in self._weight_mems:
                 w = weights[b.id]
                 mem.buffer, mem.state = w.buffer, w.state
             self._weights_of = weights
-        for b, mem in self._outputs:
+            rebound = True
+        for b, mem in self.fresh_outputs:
             s = b.storage
             if b is s.bufs[0]:
                 fresh = aligned_empty(s.nbytes, np.uint8)
@@ -300,8 +320,13 @@ class _Execution:
             mem.state = UNKNOWN                 # a new buffer: its padding is anything
         if not self._bound:
             self._bind(weights)
-        for call in self.calls:
-            call()
+            rebound = True
+        report.native = self.native is not None and not rebound
+        if report.native:
+            self.native.run()
+        else:   # the first run, or new weights or constants: every call checks its arguments
+            for call in self.calls:
+                call()
         if stream is not None:
             for mem in self._unique_mems:
                 mem.wait()   # a zero-pad on the stream that no kernel waited for (none expected)

@@ -36,6 +36,8 @@ class Report:
     plan_seconds: float = 0.0       # planning, with the kernels it compiled or loaded (a first
     #                                 run for these input layouts; a lookup afterwards)
     run_seconds: float = 0.0        # weights checked/reordered, the steps run
+    native: bool = False            # the kernel calls made by a built model's plan function
+    #                                 (graph/native.py), not one by one from Python
 
     def as_dict(self):
         return dict(self.__dict__)
@@ -57,6 +59,7 @@ class Report:
             f"  memory        peak {kib(self.peak_bytes)} live, arena {kib(self.arena_bytes)}, "
             f"weights {kib(self.weight_bytes)}",
             f"  kernel cache  {cache or '-'}",
+            f"  calls made    {'by the plan function' if self.native else 'from Python'}",
         ]
         return "\n".join(lines)
 
