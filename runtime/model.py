@@ -289,7 +289,10 @@ class Model:
     def __call__(self, *args, **kw):
         """Run and return the output as a numpy array (a dict of them for several outputs).
         Inputs: numpy arrays or any CPU DLPack tensor (PyTorch's, zero-copy)."""
-        res = self.run(*args, **kw).numpy()
+        given = self._given(args, kw)
+        res = self.graph.run_arrays(given)
+        if res is None:
+            res = self.graph.run(given).numpy()
         return res[self.outputs[0]] if len(self.outputs) == 1 else res
 
     def __repr__(self):

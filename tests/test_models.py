@@ -21,7 +21,7 @@ from blockpad.model_build import build_model
 from blockpad.runtime.library import describe
 from blockpad.runtime.model import MODEL, WEIGHTS
 
-from .conftest import needs_cross_compiler
+from .conftest import needs_cross_compiler, run_in_threads
 from .reference import conv_reference, softmax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,6 +194,8 @@ def test_a_built_model_makes_its_kernel_calls_in_one_function(built, tmp_path):
     x = rng.standard_normal(SHAPE).astype("float32")
     first, second = model.run(x=x), model.run(x=x)
     assert not first.report.native and second.report.native
+    assert model.graph.run_arrays({"x": x}) is None   # a blocked result: run's path reorders it
+    np.testing.assert_array_equal(model(x), first["probs"].numpy())
     assert "by the plan function" in str(second.report)
     np.testing.assert_array_equal(second["probs"].numpy(), first["probs"].numpy())
     np.testing.assert_allclose(second["probs"].numpy(), reference(x, p), atol=1e-5)
@@ -409,6 +411,15 @@ def test_small_resnet18_from_onnx_matches_onnxruntime(small_resnet, tmp_path, ca
               f"max |err| / max |logit| = {err:.1e}")
     assert err <= 1e-4
     assert not model.run(x).report.fallbacks
+    # from the second run: the plan function, and the call's own path (run_arrays: plain
+    # logits copied out of the arena, no Results); each call's array is the caller's
+    y = model(x)
+    assert model.run(x).report.native and model.graph.run_arrays({"input": x}) is not None
+    x2 = np.random.default_rng(5).standard_normal(x.shape).astype("float32")
+    y2 = model(x2)
+    assert _relative_error(y, want) <= 1e-4
+    assert _relative_error(y2, ort.InferenceSession(str(path)).run(None, {"input": x2})[0]) <= 1e-4
+    np.testing.assert_array_equal(model(np.asfortranarray(x)), y)   # not row-major: run's path
     # a fresh process: neither the compiler nor the onnx package
     np.save(tmp_path / "x.npy", x)
     r = _fresh(out, tmp_path / "x.npy", tmp_path / "y.npy",
@@ -420,6 +431,23 @@ def test_small_resnet18_from_onnx_matches_onnxruntime(small_resnet, tmp_path, ca
 
     assert cli.main(["build", str(path), "--target", "native", "--out", str(out)]) == 0
     assert "nothing to do" in capsys.readouterr().err
+
+
+def test_threads_call_a_built_model_at_once(small_resnet):
+    """Four threads calling one model: each run takes an arena of its own (a thread that finds
+    none idle binds a new one from Python, which makes its calls natively from then on), and
+    each result is its input's, equal to the bit to the same input's serial result."""
+    model = bp.load(small_resnet[1])
+    xs = [np.random.default_rng(10 + i).standard_normal((2, 3, HW, HW)).astype("float32")
+          for i in range(4)]
+    serial = [model(x) for x in xs]
+
+    def work(i):
+        for _ in range(4):
+            np.testing.assert_array_equal(model(xs[i]), serial[i])
+
+    run_in_threads(work, range(4))
+    assert len(model.graph.runner(input=xs[0])._pool) >= 1
 
 
 # Every network at batch 1 and 2 compiles some 600 distinct kernels (DenseNet-121 alone 220 s a

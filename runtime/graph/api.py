@@ -131,6 +131,7 @@ class Graph:
         # input layouts -> (compiled plan function, digest of its calls): a built model's
         # (runtime/graph/native.py); an arena whose calls differ runs them from Python
         self.native_plans: dict = {}
+        self._plain_key = None        # the runner key of plain array inputs (run_arrays)
         self._lock = threading.RLock()
 
     # ---- building -----------------------------------------------------------------------------
@@ -144,6 +145,7 @@ class Graph:
 
     def _changed(self):
         self._runners.clear()
+        self._plain_key = None
 
     def _var(self, t) -> str:
         if isinstance(t, Tensor):
@@ -613,6 +615,21 @@ class Graph:
             return runner
 
     # ---- running ------------------------------------------------------------------------------
+    def run_arrays(self, given: dict) -> dict | None:
+        """The results as numpy arrays by ``Runner.run_arrays`` (a built model's call), where
+        every input is a numpy array of the graph's shape and dtype and a runner for them
+        exists; None where ``run`` must."""
+        if self._plain_key is None:
+            self._plain_key = tuple(plain(s, d) for s, d in self.inputs.values())
+        if len(given) != len(self.inputs):
+            return None
+        for name, (shape, dtype) in self.inputs.items():
+            v = given.get(name)
+            if type(v) is not np.ndarray or v.shape != shape or v.dtype != dtype:
+                return None
+        runner = self._runners.get(self._plain_key)
+        return runner.run_arrays(given) if runner is not None else None
+
     def run(self, inputs=None, *, clean=(), stream=None, **kw) -> Results:
         """Run on ``inputs`` ({name: numpy array or Memory}, or keywords); return the results,
         each held in its producer's layout until read.

@@ -16,6 +16,7 @@ What a runner reads of its plan is the plan's documented data (``steps``, ``bufs
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from contextlib import contextmanager
@@ -78,6 +79,26 @@ class Runner:
             exe = _Execution(self.plan, self.runtime, self.weights, self.native_plan)
         try:
             yield exe
+        finally:
+            with self._pool_lock:
+                self._pool.append(exe)
+
+    def run_arrays(self, given: dict) -> dict | None:
+        """The results as numpy arrays, for a caller that wants nothing else (``Model``'s
+        call): an idle arena's plan function on the given arrays, the results copied out;
+        no Report, no Results. None where the run needs ``run``: no idle arena whose calls the
+        plan function makes, weights to reorder, an input that is not a row-major array of
+        its dtype, a result that is not plain. A run of MobileNetV2 costs ~0.1 ms less so
+        (Zen 4, 1 and 2 threads: 6.26 -> 6.17 ms, 3.37 -> 3.27), with the interpreter's data
+        out of cache after the network every operation counts."""
+        if not self.weights.current():
+            return None
+        with self._pool_lock:
+            exe = self._pool.pop() if self._pool else None
+        if exe is None:
+            return None
+        try:
+            return exe.run_arrays(given, self._weights, self.weights.version)
         finally:
             with self._pool_lock:
                 self._pool.append(exe)
@@ -173,6 +194,13 @@ class _Execution:
         self.fresh_outputs = [(b, m) for b, m in given if b.storage.kind == "output"
                               and b.storage.id not in kept]   # a new buffer each run
         self._copied = set(kept)
+        # (name, memory, elements, shape) of each result where every one is plain in a kept
+        # buffer (``run_arrays`` copies them out as they are), else None
+        outs = [(name, self.mems[b.id], b) for name, b in plan.outputs.items()]
+        self._plain_outputs = [(name, mem, math.prod(b.layout.shape), b.layout.shape)
+                               for name, mem, b in outs] \
+            if all(b.storage.id in kept and b.layout.is_plain and b.storage.kind == "output"
+                   for _, _, b in outs) else None
         self._unique_mems = list({id(m): m for m in self.mems.values()}.values())
         self._weights_of = None    # the weights dict the weight memories point into
         self._constants_of = None  # the WeightCache version the constant memories point into
@@ -182,6 +210,26 @@ class _Execution:
         self._bound = False
         self._flats = {}   # constant name -> (its array, the flat view the kernels read)
         self._held = {}    # input name -> (the array given last run, its flat view), or None
+
+    def run_arrays(self, given, weights, version) -> dict | None:
+        """``Runner.run_arrays`` on this arena (None: not here, see there)."""
+        outs = self._plain_outputs
+        if (self.native is None or outs is None or self._weights_of is not weights
+                or self._constants_of != version):
+            return None
+        for b, _ in self._inputs:
+            value = given[b.storage.value]
+            if not (type(value) is np.ndarray and value.flags.c_contiguous
+                    and value.flags.aligned):
+                return None
+        for b, mem in self._inputs:
+            value = given[b.storage.value]
+            held = self._held.get(b.storage.value)
+            if held is None or held[0] is not value:
+                held = self._held[b.storage.value] = (value, value.reshape(-1))
+            mem.buffer, mem.state = held[1], CLEAN
+        self.native.run()
+        return {name: mem.buffer[:size].copy().reshape(shape) for name, mem, size, shape in outs}
 
     def _flat(self, name):
         """The constant ``name`` as a flat buffer, the same object run after run while the

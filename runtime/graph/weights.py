@@ -143,6 +143,12 @@ class WeightCache:
             self._reorder(name, mem, report)
             return mem
 
+    def current(self) -> bool:
+        """Whether ``refresh`` would reorder nothing, known without comparing an array: no
+        constant ``set`` since, and none held to be compared (a loaded model's are all owned
+        or prepacked)."""
+        return not self._stale and not (self.mode == "check" and self._kept)
+
     def refresh(self, report) -> None:
         """Re-reorder prepared weights whose constant changed (checked, or ``set``)."""
         with self._lock:
