@@ -187,7 +187,7 @@ class _Execution:
                 self._slot_mems.setdefault(b.storage.slot, set()).add(self.mems[b.id])
         # the buffers given per run, by kind, in plan order (an arena's are bound once)
         given = [(b, self.mems[b.id]) for b in plan.bufs if b.storage.kind != "arena"]
-        self._inputs = [(b, m) for b, m in given if b.storage.kind == "input"]
+        self.inputs = [(b, m) for b, m in given if b.storage.kind == "input"]
         self._constants = [(b, m) for b, m in given
                            if b.storage.kind == "constant" and b.storage.last is not None]
         self._weight_mems = [(b, m) for b, m in given if b.storage.kind == "weight"]
@@ -217,12 +217,12 @@ class _Execution:
         if (self.native is None or outs is None or self._weights_of is not weights
                 or self._constants_of != version):
             return None
-        for b, _ in self._inputs:
+        for b, _ in self.inputs:
             value = given[b.storage.value]
             if not (type(value) is np.ndarray and value.flags.c_contiguous
                     and value.flags.aligned):
                 return None
-        for b, mem in self._inputs:
+        for b, mem in self.inputs:
             value = given[b.storage.value]
             held = self._held.get(b.storage.value)
             if held is None or held[0] is not value:
@@ -324,7 +324,7 @@ class _Execution:
         plan = self.plan
         self.stream = stream
         rebound = stream is not None   # a stream's zero-pads are waited for by checked calls
-        for b, mem in self._inputs:
+        for b, mem in self.inputs:
             s = b.storage
             value = given[s.value]
             held = self._held.get(s.value)
@@ -375,6 +375,8 @@ class _Execution:
         else:   # the first run, or new weights or constants: every call checks its arguments
             for call in self.calls:
                 call()
+            if self.native is not None:
+                self.native.refresh()
         if stream is not None:
             for mem in self._unique_mems:
                 mem.wait()   # a zero-pad on the stream that no kernel waited for (none expected)

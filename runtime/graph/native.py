@@ -123,29 +123,43 @@ def memories(exe) -> list:
 
 class Native:
     """The compiled plan bound to one execution's buffers: ``run()`` makes every call of the
-    plan. The slots' tensors are made once; a memory's is remade when its buffer changes (a new
-    input array, a large result's new buffer)."""
+    plan. The arguments are made once (``refresh`` again after new weights or constants); only
+    the memories whose buffer a run may change (an input given as a new array, a large result's
+    new buffer) are looked at per run."""
 
     def __init__(self, function, exe):
         from ..tvm_runtime import as_tensor
 
         self._as_tensor = as_tensor
         self._function = function
-        self._slots = [as_tensor(s) for s in exe.slots]
-        self._mems = memories(exe)
-        self._buffers = [None] * len(self._mems)
-        self._tensors = [None] * len(self._mems)
+        self._exe = exe
+        mems = memories(exe)
+        volatile = {id(m) for _, m in exe.inputs} | {id(m) for _, m in exe.fresh_outputs}
+        self._volatile = [(i, m) for i, m in enumerate(mems) if id(m) in volatile]
         # what a checked call would mark clean and a run does not leave so: the results
         # given a new buffer each run (the arena's stay clean from the first, checked run)
-        self._written = [mem for _, mem in exe.fresh_outputs]
+        self._written = [m for _, m in exe.fresh_outputs]
+        self._mems = mems
+        self.refresh()
+
+    def _tensor(self, buf):
+        raw = buf if buf.flags.writeable else _readable_alias(buf)   # as Memory.kernel_arg
+        return self._as_tensor(raw.view("uint8"))
+
+    def refresh(self):
+        """Make every argument again from the execution's current buffers."""
+        slots = [self._as_tensor(s) for s in self._exe.slots]
+        self._args = slots + [self._tensor(m.buffer) for m in self._mems]
+        self._buffers = {i: m.buffer for i, m in self._volatile}
+        self._first = len(slots)
 
     def run(self):
-        for i, mem in enumerate(self._mems):
+        args, first = self._args, self._first
+        for i, mem in self._volatile:
             buf = mem.buffer
             if buf is not self._buffers[i]:
-                raw = buf if buf.flags.writeable else _readable_alias(buf)   # as kernel_arg
-                self._tensors[i] = self._as_tensor(raw.view("uint8"))
+                args[first + i] = self._tensor(buf)
                 self._buffers[i] = buf
-        self._function(*self._slots, *self._tensors)
+        self._function(*args)
         for mem in self._written:
             mem.state = CLEAN
