@@ -16,7 +16,7 @@ import numpy as np
 
 from blockpad import winograd
 from blockpad.errors import ArgumentError
-from blockpad.layout import Layout, dtype_name, pad_sides
+from blockpad.layout import Layout, dtype_name, numpy_dtype, pad_sides
 from blockpad.vocabulary import (
     BINARY_POST_OPS,
     DEFAULT_POLICY,
@@ -131,7 +131,7 @@ class Graph:
         # input layouts -> (compiled plan function, digest of its calls): a built model's
         # (runtime/graph/native.py); an arena whose calls differ runs them from Python
         self.native_plans: dict = {}
-        self._plain_key = None        # the runner key of plain array inputs (run_arrays)
+        self._plain_fast = None       # run_arrays' runner and input checks, once looked up
         self._lock = threading.RLock()
 
     # ---- building -----------------------------------------------------------------------------
@@ -145,7 +145,7 @@ class Graph:
 
     def _changed(self):
         self._runners.clear()
-        self._plain_key = None
+        self._plain_fast = None
 
     def _var(self, t) -> str:
         if isinstance(t, Tensor):
@@ -618,17 +618,24 @@ class Graph:
     def run_arrays(self, given: dict) -> dict | None:
         """The results as numpy arrays by ``Runner.run_arrays`` (a built model's call), where
         every input is a numpy array of the graph's shape and dtype and a runner for them
-        exists; None where ``run`` must."""
-        if self._plain_key is None:
-            self._plain_key = tuple(plain(s, d) for s, d in self.inputs.values())
-        if len(given) != len(self.inputs):
-            return None
-        for name, (shape, dtype) in self.inputs.items():
-            v = given.get(name)
-            if type(v) is not np.ndarray or v.shape != shape or v.dtype != dtype:
+        exists; None where ``run`` must. What it checks is looked up once (the inputs' numpy
+        dtypes, the runner): each lookup costs microseconds with the interpreter out of cache
+        after a network."""
+        fast = self._plain_fast
+        if fast is None:
+            runner = self._runners.get(tuple(plain(s, d) for s, d in self.inputs.values()))
+            if runner is None:
                 return None
-        runner = self._runners.get(self._plain_key)
-        return runner.run_arrays(given) if runner is not None else None
+            fast = self._plain_fast = (runner, [(name, shape, np.dtype(numpy_dtype(dtype)))
+                                                for name, (shape, dtype) in self.inputs.items()])
+        runner, inputs = fast
+        if len(given) != len(inputs):
+            return None
+        for name, shape, dtype in inputs:
+            v = given.get(name)
+            if type(v) is not np.ndarray or v.shape != shape or v.dtype is not dtype:
+                return None
+        return runner.run_arrays(given)
 
     def run(self, inputs=None, *, clean=(), stream=None, **kw) -> Results:
         """Run on ``inputs`` ({name: numpy array or Memory}, or keywords); return the results,
