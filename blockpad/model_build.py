@@ -321,6 +321,8 @@ def _native_plan(plan, cache, lib, target, out_dir, log) -> dict | None:
     from blockpad.runtime.graph.native import PLAN_FUNCTION
 
     desc, why = describe_plan(plan, cache)
+    if desc is not None and not desc.calls:
+        desc, why = None, "the plan calls no kernel"
     path = os.path.join(out_dir, rm.PLAN_LIBRARY)
     if desc is None:
         for stale in (path, path + ".py"):

@@ -220,6 +220,35 @@ def test_a_built_model_makes_its_kernel_calls_in_one_function(built, tmp_path):
         bp.load(damaged)
 
 
+def test_a_large_result_gets_a_new_buffer_each_native_run(tmp_path):
+    """A result over ``OUTPUT_COPY_BYTES`` is written into a new buffer each run (the caller
+    keeps it): the plan function is given that buffer, so each run's result is its own input's
+    and an earlier one is not overwritten; a policy whose run zero-pads between calls
+    (``on_handle``) gets no plan function, and says so."""
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal((20, 8, 3, 3)) * 0.2).astype("float32")
+    shape = (1, 8, 130, 130)   # the result, 20 channels blocked to 32: 2.1 MiB
+    g = bp.Graph(name="big")
+    g.output(g.relu(g.conv2d(g.input("x", shape), g.constant("w", w), pad=1)))
+    out = tmp_path / "big"
+    build_model(g, "host", out, log=lambda m: None)
+    model = bp.load(out)
+    xs = [rng.standard_normal(shape).astype("float32") for _ in range(3)]
+    runs = [model.run(x=x) for x in xs]
+    assert [r.report.native for r in runs] == [False, True, True]
+    for x, r in zip(xs, runs):
+        want = np.maximum(conv_reference(x.astype(np.float64), w.astype(np.float64), {
+            "stride": (1, 1), "pad": (1, 1), "dilation": (1, 1), "groups": 1}), 0)
+        np.testing.assert_allclose(r[model.outputs[0]].numpy(), want, rtol=1e-4, atol=1e-4)
+    logs = []
+    g2 = bp.Graph(name="big", policy="on_handle")
+    g2.output(g2.relu(g2.conv2d(g2.input("x", shape), g2.constant("w", w), pad=1)))
+    build_model(g2, "host", tmp_path / "on_handle", log=logs.append)
+    assert any(m.startswith("no plan function: policy 'on_handle'") for m in logs)
+    assert json.loads((tmp_path / "on_handle" / MODEL).read_text())["native"] is None
+    assert not (tmp_path / "on_handle" / "plan.so").exists()
+
+
 POOL_RUN = """
 import json, sys
 import numpy as np
