@@ -248,6 +248,7 @@ class _Execution:
         # does nothing: its producer writes it, and marks it clean, before anything reads it
         # (pruned ResNet-50, 51 padded arena buffers: 0.46 ms a run of bookkeeping saved)
         binds = plan.policy not in KERNEL_ZEROS
+        as_planned = True   # every step bound to its planned kernel (not an in-place twin)
         for i, st in enumerate(plan.steps):
             for s in plan.bind_at.get(i, ()) if binds else ():
                 if s.kind in ("arena", "output"):
@@ -257,6 +258,7 @@ class _Execution:
                             labels.append(BIND_LABEL)
             if st.kernel is not None:
                 bound = st.kernel.bind(*(self.mems[b.id] for b in st.args))
+                as_planned = as_planned and bound.kernel is st.kernel
                 # under these policies the plan keeps every source clean (BoundCall.trusted)
                 calls.append(bound.trusted() if plan.policy in KERNEL_ZEROS else bound)
             elif st.kind == "reorder":
@@ -267,7 +269,7 @@ class _Execution:
             labels.append(st.label)
         self.calls, self.labels = calls, labels
         self._bound = True
-        if self._native_plan is not None:
+        if self._native_plan is not None and as_planned:
             function, digest = self._native_plan
             desc, _ = native.describe(self)
             if desc is not None and desc.digest() == digest:
