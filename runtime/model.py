@@ -5,7 +5,10 @@
 * ``weights.bin``: the constants, weights already packed into the blocked layouts their
   convolutions read (64-byte aligned, raw), and plain where a kernel reads them plain;
 * ``model.json``: the graph (ops, attributes, inputs, outputs, options), where each constant
-  lies in ``weights.bin``, and the plan the build made (one line per step).
+  lies in ``weights.bin``, and the plan the build made (one line per step);
+* ``plan.so`` (with its TVMScript, ``plan.so.py``): the plan's kernel calls as one compiled
+  function (``graph/native.py``), where the plan is kernel calls only; ``model.json`` records
+  its hash, the digest of the calls it makes and its function for each pool size.
 
 ``blockpad.load(DIR)`` returns a ``Model``: the graph rebuilt over that library alone (no
 compiler, no JIT cache, no ``onnx``), its constants the packed bytes as they are. Planning again
