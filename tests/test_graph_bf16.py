@@ -89,6 +89,35 @@ def test_bf16_weights_are_packed_in_pairs_where_the_target_has_vdpbf16ps(rng, tm
         _check(x, params, *(res[n].numpy() for n in g.outputs))
 
 
+def test_a_bf16_model_has_no_plan_function(rng, tmp_path):
+    """Two bf16 convolutions built as a model: no plan function (TVM's LLVM lowering turns a
+    bfloat16 DLTensor made there into uint16, which the kernels refuse), and the build says
+    so; where this CPU runs it, every run calls the kernels from Python, with PyTorch's
+    numbers in float64 rounded to bf16 where the kernels round."""
+    x = rng.standard_normal((2, 20, 9, 9)).astype(BF16)
+    w1 = (rng.standard_normal((40, 20, 3, 3)) * 0.2).astype(BF16)
+    b1 = rng.standard_normal(40).astype(np.float32)
+    w2 = (rng.standard_normal((24, 40, 1, 1)) * 0.2).astype(BF16)
+    g = bp.Graph()
+    t = g.input("x", x.shape, "bfloat16")
+    y = g.conv2d(t, g.constant("w1", w1), g.constant("b1", b1), pad=1, post_ops=["bias", "relu"])
+    g.output(g.conv2d(y, g.constant("w2", w2), stride=2))
+    logs = []
+    build_model(g, "avx512-bf16", tmp_path / "model", log=logs.append)
+    assert any(m.startswith("no plan function: kernel") and "bfloat16" in m for m in logs)
+    if not HAVE_BF16:
+        return
+    model = bp.load(tmp_path / "model")
+    runs = [model.run(x=x) for _ in range(2)]
+    assert [r.report.native for r in runs] == [False, False]
+    h = _bf16(torch.nn.functional.conv2d(_f64(x), _f64(w1), _f64(b1), padding=1).relu())
+    want = _bf16(torch.nn.functional.conv2d(_f64(h), _f64(w2), stride=2)).astype(np.float64)
+    for r in runs:
+        got = r[g.outputs[0]].numpy()
+        assert got.dtype == BF16
+        assert np.all(np.abs(got.astype(np.float64) - want) <= 2.0 ** -7 * np.abs(want) + 1e-6)
+
+
 def test_bf16_kernels_write_float32_or_bf16_and_nothing_else():
     assert quant.dst_dtype("bfloat16", {}, "float32") == "float32"
     assert quant.dst_dtype("bfloat16", {"dst_dtype": "bfloat16"}) == "bfloat16"

@@ -72,7 +72,8 @@ def describe(exe) -> tuple:
     where its run needs more than kernel calls: a step that is not a kernel, a policy whose
     kernels do not zero their destinations' padding (the run zero-pads between calls), a
     kernel whose contract is not the plain one (a destination stage, padding preserved or
-    inherited: what ``BoundCall.trusted`` keeps checked), a sub-memory argument. The backing
+    inherited: what ``BoundCall.trusted`` keeps checked), a sub-memory argument, a bfloat16
+    argument. The backing
     buffers are the execution's own (numpy arrays), in the description's order."""
     plan = exe.plan
     if plan.policy not in KERNEL_ZEROS:
@@ -101,6 +102,10 @@ def describe(exe) -> tuple:
             view = mem.physical_view(a.storage)
             base = backings[i]
             offset = view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+            if view.dtype.name == "bfloat16":
+                return None, (f"kernel {sig.name} takes a bfloat16 array, which the plan "
+                              f"function cannot describe (TVM's LLVM lowering stores bfloat16 "
+                              f"as uint16, so the DLTensor it made would say uint16)")
             row_major = view.flags.c_contiguous
             args.append(Arg(i, int(offset), tuple(int(n) for n in view.shape), view.dtype.name,
                             None if row_major else tuple(s // view.itemsize for s in view.strides)))
