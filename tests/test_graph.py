@@ -925,3 +925,20 @@ def test_few_input_channels_are_read_plain(cache, policy, rng):
     assert [b.layout.tag for b in steps[0].reads[:2]] == ["nchw", "Ohwi16o"]
     assert steps[0].writes[0].layout.tag == steps[1].reads[0].layout.tag == "nChw16c"
     assert res.report.fallbacks == {}
+
+
+def test_arena_slots_are_the_same_every_time_a_graph_is_planned(cache):
+    """Two equal buffers freed by one step, then two new ones of that size: which slot each
+    takes must not depend on where Python put the storage objects (a set iterates by address).
+    A built model's plan function names the slots (``graph/native.py``): planned differently
+    at load, its calls' digest differed and the model ran from Python. Planned 20 times, one
+    assignment."""
+    from blockpad.runtime.graph.planning import Plan
+
+    g = bp.Graph(cache=cache, inplace=False)
+    x = g.input("x", (1, 16, 8, 8))
+    c = g.add(g.relu(x), g.sigmoid(x))      # both freed by the add
+    g.output(g.add(g.relu(c), g.sigmoid(c)))
+    lay = bp.Layout("nchw", (1, 16, 8, 8))
+    slots = {tuple(b.storage.slot for b in Plan(g, {"x": lay}).bufs) for _ in range(20)}
+    assert len(slots) == 1, slots

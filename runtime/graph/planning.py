@@ -340,7 +340,10 @@ class Plan:
                         s.slot = k
                     bind_at.setdefault(i, []).append(s)
             peak = max(peak, live)
-            for s in {b.storage for b in st.reads + st.writes}:
+            # in the step's order, not a set's: a set of storages iterates by address, which
+            # differs from process to process, and a slot freed first is reused first, so the
+            # slots would too (a built model's plan function names them: graph/native.py)
+            for s in dict.fromkeys(b.storage for b in st.reads + st.writes):
                 if s.kind == "arena" and s.last == i:
                     live -= s.nbytes
                     free.append(s.slot)
