@@ -333,19 +333,20 @@ def _native_plan(plan, cache, lib, target, out_dir, log) -> dict | None:
     variants = {n: rec.threads for n, rec in ((c.kernel, lib.kernels[c.kernel].record)
                                               for c in desc.calls) if rec.threads}
     pools = sorted({n for threads in variants.values() for n in threads})
-    functions = {"": PLAN_FUNCTION, **{str(n): f"{PLAN_FUNCTION}__threads{n}" for n in pools}}
+    names = {None: PLAN_FUNCTION, **{n: f"{PLAN_FUNCTION}__threads{n}" for n in pools}}
 
     def calls(pool):
         return [(variants.get(c.kernel, {}).get(pool, c.kernel),
                  [(a.backing, a.offset, a.shape, a.dtype, a.strides) for a in c.args])
                 for c in desc.calls]
     t0 = time.perf_counter()
-    build_plan({name: calls(int(pool) if pool else None) for pool, name in functions.items()},
-               desc.backings, target, path)
+    build_plan({name: calls(pool) for pool, name in names.items()}, desc.backings, target,
+               path)
     log(f"plan function: {len(desc.calls)} kernel calls over {desc.backings} buffers, "
         f"compiled in {time.perf_counter() - t0:.1f} s")
     return {"library": rm.PLAN_LIBRARY, "sha256": mf.file_sha256(path),
-            "digest": desc.digest(), "functions": functions}
+            "digest": desc.digest(),
+            "functions": {"" if n is None else str(n): name for n, name in names.items()}}
 
 
 def build_model(source, target="host", out_dir="build/model", force=False, log=None,

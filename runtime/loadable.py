@@ -17,11 +17,7 @@ def check_loadable(out_dir, manifest: dict) -> str:
     lib = os.path.join(out_dir, manifest["library"])
     if not os.path.isfile(lib):
         raise LoadError(f"{out_dir}: manifest names library {manifest['library']!r}, which is missing")
-    digest = file_sha256(lib)
-    if digest != manifest["library_sha256"]:
-        raise LoadError(f"{lib}: content hash {digest[:16]}... does not match the manifest's "
-                        f"{manifest['library_sha256'][:16]}...; the file changed after the build, "
-                        f"rebuild it")
+    check_digest(lib, manifest["library_sha256"], "the manifest's")
     built, here = manifest["tvm_version"], tvm_version()
     if built.split(".")[:2] != here.split(".")[:2]:
         raise LoadError(f"{out_dir}: built with apache-tvm {built}; this process has {here}, "
@@ -41,6 +37,15 @@ def check_loadable(out_dir, manifest: dict) -> str:
     if need is not None:
         _check_gpu(out_dir, target, need)
     return lib
+
+
+def check_digest(path, expected: str, whose: str) -> None:
+    """Raise LoadError unless the file ``path`` has the SHA-256 ``expected`` that ``whose``
+    (``"the manifest's"``, ``"the model's"``) recorded at the build."""
+    digest = file_sha256(path)
+    if digest != expected:
+        raise LoadError(f"{path}: content hash {digest[:16]}... does not match {whose} "
+                        f"{expected[:16]}...; the file changed after the build, rebuild it")
 
 
 def _check_gpu(out_dir, target: dict, need: tuple) -> None:

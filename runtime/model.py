@@ -29,12 +29,12 @@ import numpy as np
 
 from blockpad.errors import ArgumentError, LoadError
 from blockpad.layout import Layout, numpy_dtype
-from blockpad.manifest import file_sha256
 
 from . import library
 from .cache import KernelCache
 from .graph import Graph
 from .graph.ops import plain
+from .loadable import check_digest
 from .memory import CLEAN, Memory, aligned_empty
 from .tvm_runtime import load_module, pool_threads
 
@@ -213,15 +213,10 @@ class Model:
         """``(function, digest)``: the build's plan function for this pool size, the model's
         kernel library imported into its module (where it finds the kernels)."""
         path = os.path.join(self.path, native["library"])
-        try:
-            digest = file_sha256(path)
-        except OSError as e:
-            raise LoadError(f"{path}: cannot read the model's plan function ({e.strerror}); "
-                            f"rebuild the model") from None
-        if digest != native["sha256"]:
-            raise LoadError(f"{path}: content hash {digest[:16]}... does not match the "
-                            f"model's {native['sha256'][:16]}...; the file changed after the "
-                            f"build, rebuild it")
+        if not os.path.isfile(path):
+            raise LoadError(f"{self.path}: model.json names plan function {native['library']!r}, "
+                            f"which is missing; rebuild the model")
+        check_digest(path, native["sha256"], "the model's")
         module = load_module(path)
         module.import_module(self.library.module)
         functions = native["functions"]

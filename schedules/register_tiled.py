@@ -266,8 +266,8 @@ def _whole_row_height(t_extent: int, most: int, vecs: int, regs: int) -> int:
     end, unmeasured). A channel-pruned ResNet-50's layer4 (7x7, blocks in threes) computed 8
     columns for 7 in tiles of 4. Measured on a Zen 4 (avx512, 1 thread, one kernel alone):
     3x3 349 -> 330 at 7x7 1.20 -> 1.02 ms (4 x 3 against 7 x 3), 1x1 384 -> 336 at 14x14
-    0.515 -> 0.468; rows that 4 divides keep 4
-    (28 wide: 2.32 against 2.35 ms with 7 x 3; 56 wide, 1x1 213 -> 44: 0.72 against 0.71)."""
+    0.515 -> 0.468; rows that 4 divides keep 4 (28 wide: 2.32 against 2.35 ms with 7 x 3;
+    56 wide, 1x1 213 -> 44: 0.72 against 0.71)."""
     if t_extent % most == 0:
         return most
     fits = [m for m in range(most + 1, 8) if t_extent % m == 0 and m * vecs + vecs + 1 <= regs]
