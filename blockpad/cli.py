@@ -57,13 +57,14 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
     p.add_argument("what", choices=["reorder", "ops", "resnet", "isa", "conv", "matmul", "model",
-                                             "calls", "conv-int8", "int8", "mixed", "layers"])
+                                             "calls", "conv-int8", "int8", "mixed", "layers",
+                                             "winograd"])
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per contender")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two small shapes only")
     p.add_argument("--target", default=None,
-                   help="target of blockpad's kernels (ops, resnet, conv-int8; default: the widest "
-                   "this CPU runs)")
+                   help="target of blockpad's kernels (ops, resnet, conv-int8, winograd; default: "
+                   "the widest this CPU runs)")
     p.add_argument("--model", default=None, help="bench model, layers: the network (resnet18, "
                    "resnet50 (default), resnet50_pruned, mobilenet_v2, efficientnet_b0, "
                    "densenet121); bench int8: resnet50 or mobilenet_v2 (default: both)")
@@ -266,6 +267,12 @@ def _bench(args):
         from .bench import mixed
 
         mixed.main(repeat=args.repeat, threads=args.threads, target=args.target)
+        return
+    if args.what == "winograd":   # the Winograd cost model's rates on this machine
+        from .bench import winograd
+
+        winograd.main(target=args.target, repeat=args.repeat, threads=args.threads,
+                      quick=args.quick)
         return
     if args.what == "calls":   # the Python call path's cost per call
         from .bench import calls

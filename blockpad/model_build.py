@@ -50,9 +50,10 @@ class _Probe:
     """A kernel cache that says yes to every request except those known to fail, and records
     what it said yes to. Enough of KernelCache's interface for planning."""
 
-    def __init__(self, failed, features=()):
+    def __init__(self, failed, target=None):
         self.failed = failed
-        self.features = tuple(features)
+        self.features = tuple(target.features) if target is not None else ()
+        self.target_name = target.name if target is not None else None
         self.asked: dict = {}
 
     def target_features(self) -> tuple:
@@ -107,20 +108,20 @@ def _used(plan, asked) -> list:
     return list(dict.fromkeys(used))
 
 
-def plan_kernels(g: Graph, log, features=()) -> tuple:
-    """Plan ``g`` for a target with CPU ``features`` and return (plan lines, the kernel
-    requests the plan calls); each kernel the generator cannot make, which the plan falls
-    back for, is logged."""
-    plan, used = _plan(g, log, features)
+def plan_kernels(g: Graph, log, target=None) -> tuple:
+    """Plan ``g`` for ``target`` (a ``codegen.targets.Target``: its CPU features and its cost
+    model) and return (plan lines, the kernel requests the plan calls); each kernel the
+    generator cannot make, which the plan falls back for, is logged."""
+    plan, used = _plan(g, log, target)
     return plan.describe().splitlines(), used
 
 
-def _plan(g: Graph, log, features) -> tuple:
+def _plan(g: Graph, log, target) -> tuple:
     """(the probed plan, the requests it calls): ``plan_kernels``'s work."""
     failed, refused = set(), {}
     checked = set()
     while True:
-        probe = _Probe(failed, features)
+        probe = _Probe(failed, target)
         h = _regraph(g, probe)
         plan = h.plan(**rm.input_layouts(h))
         used = _used(plan, probe.asked)
@@ -148,7 +149,7 @@ def _plan(g: Graph, log, features) -> tuple:
 # on the node before the plan is made. ``model_spec`` hands ``tune`` those open requests, so that
 # tuning a model measures every candidate (records are found by function, whatever the name).
 
-def _auto_requests(g: Graph, log, features) -> dict:
+def _auto_requests(g: Graph, log, target) -> dict:
     """``{node: KernelRequest}`` for each ``auto`` convolution with more than one candidate:
     the request it makes planned direct, with ``algorithm = "auto"``."""
     from blockpad.codegen import auto
@@ -158,7 +159,7 @@ def _auto_requests(g: Graph, log, features) -> dict:
     if not autos:
         return {}
     direct = {"algorithm": "direct", "winograd_tile": None}
-    plan, _ = _plan(_regraph(g, g.cache, dict.fromkeys(autos, direct)), log, features)
+    plan, _ = _plan(_regraph(g, g.cache, dict.fromkeys(autos, direct)), log, target)
     out = {}
     for st in plan.steps:
         if st.node is not None and st.node.name in autos and isinstance(st.kernel, _Probed) \
@@ -183,7 +184,7 @@ def _record_pins(g: Graph, log, target, tuning_logs) -> tuple:
         return {}, {}
     recorded = recorded_seconds(logs, target.tvm_target())
     nodes_of = {}   # one choice per distinct kernel (ResNet-50's 16 auto convolutions are 4)
-    for node, req in _auto_requests(g, log, target.features).items():
+    for node, req in _auto_requests(g, log, target).items():
         key = json.dumps(req.describe(), sort_keys=True)
         nodes_of.setdefault(key, (req, []))[1].append(node)
     pins, picks = {}, {}
@@ -215,9 +216,9 @@ def model_spec(source, conv_algorithm="auto", log=None, target="host"):
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     g = _graph(source, conv_algorithm)
-    features = get_target(target).features
-    plan, requests = _plan(g, log, features)
-    open_ = _auto_requests(g, log, features)
+    target = get_target(target)
+    plan, requests = _plan(g, log, target)
+    open_ = _auto_requests(g, log, target)
     spec = _spec(g, requests)
     planned = {st.kernel.request: st.node.name for st in plan.steps
                if st.node is not None and isinstance(st.kernel, _Probed)}
@@ -379,7 +380,7 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
     pins, picks = _record_pins(g, log, target, tuning_logs)
     if pins:
         g = _regraph(g, g.cache, pins)
-    lines, requests = plan_kernels(g, log, target.features)
+    lines, requests = plan_kernels(g, log, target)
     log(f"the plan has {len(lines)} steps and calls {len(requests)} kernels")
     os.makedirs(out_dir, exist_ok=True)
     build(_spec(g, requests), target, out_dir, force=force, log=log, tuning_logs=tuning_logs)

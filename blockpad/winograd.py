@@ -166,43 +166,71 @@ def transform_name(kernel: str) -> str:
 
 # ---- auto's cost model --------------------------------------------------------------------------
 
-#: Throughputs measured on this project's AVX2 machine (EPYC, 1 thread, ``host`` kernels), the
-#: machine shared with other builds, so only their ratios count: the direct kernel on C64 K64
-#: 56x56 (22 GFLOP/s: 231 MFLOP in 10.4 ms, best of 7 rounds), and F(4x4) on the same layer
-#: (5.8 ms) split by ``perf record`` samples over its three parallel loops: the GEMM 58%
-#: (57.8 MFLOP: 17 GFLOP/s), the input transform 25% and the output transform 17% (3.3 M and
-#: 2.3 M adds and multiplies: 2.3 G/s). The weights rate (bytes of transformed weights
-#: streamed from memory per second, once per call: at 7x7 with 512 channels they outweigh the
-#: GEMM) is a numpy copy of that layer's 37.7 MB F(4x4) weights under the same load (2 GB/s,
-#: best of 30: this VM's memory is slow and shared). With these, the model gives 10.5, 8.4,
-#: 6.1 and 7.1 ms for direct, F(2), F(4), F(6) on that layer (measured: 10.4, 9.1, 5.8, 5.5),
-#: and picks direct at 7x7 x 512, where the weights dominate. ``estimate`` uses them.
-RATES = {"direct": 22e9, "gemm": 17e9, "transform": 2.3e9, "weights": 2e9}
+#: The cost model's throughputs, by target name (``target_rates``): the direct kernel's flops, the
+#: Winograd GEMM's flops, the transforms' adds and multiplies, and the bytes of transformed
+#: weights streamed from memory once per call (at 7x7 with 512 channels they outweigh the
+#: GEMM). ``blockpad bench winograd --target T`` measures them on the machine it runs on: the
+#: 3x3 layers of the bench networks, direct and each tile, with the caches flushed before each
+#: call as a network's weights are (the source read back in, as the layer before leaves it),
+#: at one thread and at all cores, fitted by least squares; it prints the entry for this table
+#: and what the model would pick against what is fastest. Only the ratios between the rates
+#: matter, and a machine shared with other work measures them roughly.
+#:
+#: ``zen4``: AMD EPYC (Zen 4), 2 vCPU, the fit of two runs (92, 99, 9.7, 24.8 G); its weights
+#: rate taken at 22 GB/s, within the fit's noise (a numpy sum streams 25 GB/s there), where the
+#: model picks the fastest measured variant at every layer both at 1 and 2 threads but one
+#: (512 channels at 7x7: F(2x2), 0.1 ms behind F(4x4) at 1 thread, ahead at 2). The default
+#: rates (``DEFAULT_RATES``) picked direct there (0.44 ms slower at 1 thread, 0.18 at 2).
+RATES = {
+    "zen4": {"direct": 92e9, "gemm": 99e9, "transform": 9.7e9, "weights": 22e9},
+}
+
+#: The rates of a target without its own entry: measured on this project's AVX2 machine (EPYC,
+#: 1 thread, ``host`` kernels): the direct kernel on C64 K64 56x56 (22 GFLOP/s: 231 MFLOP in
+#: 10.4 ms), and F(4x4) on the same layer (5.8 ms) split by ``perf record`` samples over its
+#: three parallel loops: the GEMM 58% (57.8 MFLOP: 17 GFLOP/s), the input transform 25% and
+#: the output transform 17% (3.3 M and 2.3 M adds and multiplies: 2.3 G/s); the weights rate a
+#: numpy copy of that layer's 37.7 MB F(4x4) weights (2 GB/s: that VM's memory was slow and
+#: shared). With these, the model gives 10.5, 8.4, 6.1 and 7.1 ms for direct, F(2), F(4),
+#: F(6) on that layer (measured: 10.4, 9.1, 5.8, 5.5).
+DEFAULT_RATES = {"direct": 22e9, "gemm": 17e9, "transform": 2.3e9, "weights": 2e9}
+
+
+def target_rates(target: str | None) -> dict:
+    """The cost model's throughputs for the target named ``target`` (``RATES``), else the
+    defaults."""
+    return RATES.get(target, DEFAULT_RATES)
 
 
 def _nonzeros(mat) -> int:
     return sum(1 for row in mat for v in row if v != 0)
 
 
-def estimate(n, c, k, oh, ow, m=None) -> float:
+def estimate(n, c, k, oh, ow, m=None, rates=DEFAULT_RATES) -> float:
     """Estimated seconds of a 3x3 stride-1 convolution with an ``oh`` x ``ow`` output: direct
     (``m`` None) or F(m x m, 3x3): the GEMM's 2 (m + 2)^2 C K flops per tile, the transforms'
     (2 (m + 2) nnz(B^T) C + (2 m + 2) nnz(A^T) K) per tile, the transformed weights'
-    4 (m + 2)^2 C K bytes, each at its measured rate (``RATES``).
+    4 (m + 2)^2 C K bytes, each at its rate in ``rates`` (a target's: ``target_rates``).
 
     Ragged channel counts cost no more than their share: the input transform runs over whole
     channel blocks of a blocked source and the output transform selects the destination's
     channel padding (codegen/ops/winograd.py), so a channel-pruned ResNet-50's 40 -> 41 at
     56x56 takes 0.54 ms with F(4x4) against 0.88 direct (Cascade Lake, avx512, 1 thread;
     1.44 ms before, with partial vectors of logical channels)."""
+    return sum(work / rates[kind] for kind, work in costs(n, c, k, oh, ow, m).items())
+
+
+def costs(n, c, k, oh, ow, m=None) -> dict:
+    """``estimate``'s work by kind (``{"direct": flops}``, or the GEMM's flops, the transforms'
+    operations and the weights' bytes of F(m x m)): what each rate divides."""
     if m is None:
-        return 2 * 9 * c * k * n * oh * ow / RATES["direct"]
+        return {"direct": 2 * 9 * c * k * n * oh * ow}
     at, _, bt = matrices(m)
     a = m + 2
     tiles = n * -(-oh // m) * -(-ow // m)
-    gemm = 2 * a * a * c * k * tiles / RATES["gemm"]
-    transforms = (2 * a * _nonzeros(bt) * c + (a + m) * _nonzeros(at) * k) * tiles
-    return gemm + transforms / RATES["transform"] + 4 * a * a * c * k / RATES["weights"]
+    return {"gemm": 2 * a * a * c * k * tiles,
+            "transform": (2 * a * _nonzeros(bt) * c + (a + m) * _nonzeros(at) * k) * tiles,
+            "weights": 4 * a * a * c * k}
 
 
 def candidates(c: int) -> list:
@@ -210,7 +238,8 @@ def candidates(c: int) -> list:
     return [m for m in TILES if error_bound(m, c) <= TOLERANCE]
 
 
-def choose(n, c, k, oh, ow) -> int | None:
-    """``auto``'s pick by the cost model: the tile of the fastest Winograd variant within the
-    error bound, or None where the direct convolution is estimated fastest."""
-    return min([None, *candidates(c)], key=lambda m: estimate(n, c, k, oh, ow, m))
+def choose(n, c, k, oh, ow, rates=DEFAULT_RATES) -> int | None:
+    """``auto``'s pick by the cost model with ``rates`` (a target's: ``target_rates``): the
+    tile of the fastest Winograd variant within the error bound, or None where the direct
+    convolution is estimated fastest."""
+    return min([None, *candidates(c)], key=lambda m: estimate(n, c, k, oh, ow, m, rates))

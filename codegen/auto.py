@@ -52,10 +52,11 @@ def _variant(req, label, params, weights):
                                params=merged)
 
 
-def resolve(req: KernelRequest, recorded) -> tuple:
+def resolve(req: KernelRequest, recorded, target: str | None = None) -> tuple:
     """``(request, choice)``: the candidate to build under ``req``'s name, and the manifest's
     record of the choice. ``recorded(candidate request) -> seconds or None`` looks a
-    candidate up in the tuning records."""
+    candidate up in the tuning records; ``target``: the name of the target whose cost model
+    decides where no record does."""
     cands = candidates(req)
     geo = geometry(req)
     times = {label: recorded(c) for label, c in cands}
@@ -63,8 +64,9 @@ def resolve(req: KernelRequest, recorded) -> tuple:
     if timed:
         label, by = min(timed, key=timed.get), "tuning records"
     else:
+        rates = wino.target_rates(target)
         est = {label: wino.estimate(geo.n, geo.c, geo.k, *geo.out, None if label == "direct"
-                                    else dict(r.params)["winograd_tile"])
+                                    else dict(r.params)["winograd_tile"], rates)
                for label, r in cands}
         times = {label: round(t * 1e6, 1) for label, t in est.items()}
         label, by = min(est, key=est.get), "cost model"

@@ -87,7 +87,7 @@ def build(spec, target="host", out_dir="build", force=False, log=None,
         picked = None
         if auto.is_auto(req):   # conv2d algorithm = "auto": records, else the cost model
             resolved = failed.run(req, "choosing the algorithm",
-                                  lambda: auto.resolve(req, recorded))  # noqa: B023 (run now)
+                                  lambda: auto.resolve(req, recorded, target.name))  # noqa: B023
             if resolved is None:
                 log(f"[{i}/{n}] {req.name}: FAILED")
                 continue

@@ -270,6 +270,14 @@ class KernelCache:
         return tuple(features(self.target)) if callable(features) else ()
 
     @property
+    def target_name(self) -> str:
+        """The name of the target this cache's kernels are for, as ``target_features`` finds
+        it: the cost models that choose between kernels go by it (``blockpad.winograd``)."""
+        with self._lock:
+            libs = list(self._libraries)
+        return libs[0].manifest["target"].get("name", self.target) if libs else self.target
+
+    @property
     def jit_dir(self) -> str:
         return os.path.join(self.cache_dir, "jit")
 

@@ -79,7 +79,7 @@ def test_bf16_weights_are_packed_in_pairs_where_the_target_has_vdpbf16ps(rng, tm
     g, x, params = _network(rng)
     for target, tags in (("avx512-bf16", ("OIhw8i16o2i", "BA16b2a")),
                          ("host", ("OIhw16i16o", "Ba16b"))):
-        lines, _ = plan_kernels(g, lambda m: None, get_target(target).features)
+        lines, _ = plan_kernels(g, lambda m: None, get_target(target))
         text = "\n".join(lines)
         assert all(t in text for t in tags), (target, text)
     out = tmp_path / "model"

@@ -147,6 +147,39 @@ def test_auto_takes_winograd_for_few_ragged_channels():
     assert wino.choose(1, 92, 78, 28, 28) is not None
 
 
+def test_the_cost_model_goes_by_the_target():
+    """Rates measured on one machine pick badly on another: on Zen 4 F(2x2) beats direct at
+    7x7 with 512 channels (its memory streams the transformed weights ten times faster than
+    the AVX2 machine's the defaults were measured on), and the planner asks the model of the
+    target it plans for (the probe of a model build, a kernel cache's target otherwise)."""
+    from blockpad.model_build import plan_kernels
+
+    assert wino.target_rates("no such target") is wino.DEFAULT_RATES
+    assert wino.choose(1, 512, 512, 7, 7) is None
+    assert wino.choose(1, 512, 512, 7, 7, wino.target_rates("zen4")) == 2
+    g = bp.Graph(name="w7")
+    g.output(g.conv2d(g.input("x", (1, 512, 7, 7)), g.constant(
+        "w", np.zeros((512, 512, 3, 3), np.float32)), pad=1, name="conv", algorithm="auto"))
+    tiles = {t: [dict(r.params).get("winograd_tile") for r in plan_kernels(
+        g, lambda m: None, get_target(t))[1] if r.op == "conv2d"] for t in ("host", "zen4")}
+    assert tiles == {"host": [None], "zen4": [2]}
+
+
+def test_bench_winograd_fits_the_rates_that_made_the_times():
+    """``bench winograd``'s fit recovers the rates behind times the model itself computes, and
+    the picks with them lose nothing."""
+    from blockpad.bench import winograd as bench
+
+    made = {"direct": 50e9, "gemm": 60e9, "transform": 5e9, "weights": 10e9}
+    times = {t: [[wino.estimate(1, c, k, hw, hw, m, made) / t for m in bench.VARIANTS]
+                 for c, k, hw in bench.SHAPES] for t in (1, 2)}
+    fitted = bench.fit(bench.SHAPES, times)
+    assert fitted == pytest.approx(made, rel=1e-2)
+    chosen, lost = bench.picks(bench.SHAPES, times, fitted)
+    assert lost == {1: pytest.approx(0), 2: pytest.approx(0)}
+    assert chosen[3] == wino.choose(1, 512, 512, 7, 7, made)
+
+
 # ---- kernels against numpy ----------------------------------------------------------------
 
 @pytest.mark.parametrize("name,m,c", CASES)

@@ -539,9 +539,10 @@ class Conv2d(OpInfo):
         return (tuple(w[2:]) == (3, 3) and tuple(a["stride"]) == (1, 1) and dt == "float32"
                 and tuple(a["dilation"]) == (1, 1) and a["groups"] == 1)
 
-    def winograd_tile(self, node, types):
+    def winograd_tile(self, node, types, graph):
         """F(m x m, 3x3)'s m for this node's blocked kernel, or None (direct): the node's
-        ``algorithm``; ``auto`` asks the cost model (``blockpad.winograd.choose``)."""
+        ``algorithm``; ``auto`` asks the cost model of the target ``graph``'s kernels are for
+        (``blockpad.winograd.choose``)."""
         a = node.attrs
         (src, dt), (w, _) = types[:2]
         algorithm = a.get("algorithm", "direct")
@@ -550,7 +551,8 @@ class Conv2d(OpInfo):
         if algorithm == "winograd":
             return a.get("winograd_tile") or winograd.DEFAULT_TILE
         out = conv_out_shape(src, w[0], w[2:], a["stride"], a["pad"], a["dilation"])
-        return winograd.choose(src[0], src[1], w[0], *out[2:])
+        rates = winograd.target_rates(graph.cache.target_name)
+        return winograd.choose(src[0], src[1], w[0], *out[2:], rates)
 
     def _request(self, node, types, lays, graph, tile=None, inplace=False):
         a = node.attrs
@@ -584,7 +586,7 @@ class Conv2d(OpInfo):
         args = [("in", i) for i in range(len(types))] + [("out", 0)]
         depthwise = groups > 1 and groups == src[1] == w[0]
         out = []
-        tile = self.winograd_tile(node, types)
+        tile = self.winograd_tile(node, types, graph)
         for block in graph.conv_blocks(src[1], out_shape[1], groups):
             if tile is not None:   # Winograd-domain weights, transformed once (graph.py)
                 wl = winograd.weights_layout(w[0], w[1], tile, block, dt)
