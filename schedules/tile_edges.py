@@ -193,9 +193,10 @@ def _range(nest, back, start, suffix=None, scratch=None):
     d = count_iters(realize[0].block) - back
     loop_var, var, extent = realize[0].iter_values[d], ivs[d].var, int(ivs[d].dom.extent)
     if suffix is not None:
-        loops = []
-        tvm_ffi.structural_map(nest, (tirx.For, lambda f: loops.append(f.loop_var) or f))
-        fresh = {x: tirx.Var(x.name, x.ty) for x in [*loops, *(iv.var for iv in ivs)]}
+        loops, lets = [], []   # and the epilogue's bound values (postops.Chain): SSA
+        tvm_ffi.structural_map(nest, [(tirx.For, lambda f: loops.append(f.loop_var) or f),
+                                      (tirx.Let, lambda e: lets.append(e.var) or e)])
+        fresh = {x: tirx.Var(x.name, x.ty) for x in [*loops, *(iv.var for iv in ivs), *lets]}
         fresh.update(scratch)
         nest = tvm_ffi.structural_map(
             nest, (tirx.Var, lambda x: next((n for o, n in fresh.items() if o.same_as(x)), x)))

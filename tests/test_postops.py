@@ -113,6 +113,29 @@ def test_a_chain_of_transcendental_entries(tmp_path):
         assert (result["status"], result["guard_bytes"]) == ("ok", 0), result["problems"]
 
 
+def test_a_chain_whose_entries_copy_their_operand_binds_it_once(tmp_path):
+    """A NaN-aware max reads its operand four times and so does the min after it: sixteen
+    copies of the value before them, each a select over masked reads, and the exp's polynomial
+    copied that again. TVM's simplifier walks an expression as a tree: this kernel
+    (``blockpad check --target zen4 --seed 2719`` case 113) took 450 s to build. The chain now
+    binds a value to a variable once where its copies would pass ``MAX_COPIES``, and the edge
+    copy of the register-tiled kernel (``tile_edges``) gets variables of its own. The numbers:
+    the checker's harness and numpy reference, on both copies (main tiles and the rows past
+    them)."""
+    entry = {"name": "k", "op": "conv2d", "shape": [2, 2, 2, 9], "channels": 23,
+             "kernel": [1, 5], "src": "nchw", "weights": "oIhw8i", "dst": "nhWc4w",
+             "policy": "src", "binary_0": "ncHw16h", "binary_1": "wnhC8c",
+             "post_ops": [binary("max", "full"), binary("min", "full"),
+                          {"kind": "eltwise", "algorithm": "exp"}]}
+    bp.build(parse_spec({"kernel": [entry]}), "host", tmp_path, log=lambda m: None)
+    tir = (tmp_path / "source" / "k.tir.py").read_text()
+    assert "post_op_0" in tir and "dst_rows" in tir
+    runner = execute.Native(str(tmp_path))
+    for seed in range(2):
+        result = execute.run_case(0, {"name": "k"}, seed, runner)
+        assert (result["status"], result["guard_bytes"]) == ("ok", 0), result["problems"]
+
+
 # ---- the chain as oneDNN's documentation writes it, on explicit numpy ------------------------
 
 BINARY = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum,

@@ -54,6 +54,7 @@ as 0), and a sum with a zero point breaks them (0 - zero_point).
 from __future__ import annotations
 
 from tvm import te, tirx
+from tvm.ir.expr import Call
 
 from blockpad.errors import SpecError
 from blockpad.layout import Layout
@@ -249,7 +250,13 @@ class Chain:
         self.offset = dst.paddings[CHANNEL][0]
 
     def __call__(self, v, idx):
-        """Computed in the accumulator's type (float32 for integer and 16-bit sources)."""
+        """Computed in the accumulator's type (float32 for integer and 16-bit sources).
+
+        A step that reads its operand several times (a NaN-aware max: 3, exp: 10) copies the
+        expression so far as often; along a chain the copies multiply, and TVM's simplifier,
+        which walks the expression as a tree, took 450 s on a max, a min and an exp. Where the
+        copies would pass ``MAX_COPIES`` the value so far is bound to a variable once
+        (``tirx.Let``), so the expression grows by a sum, not a product."""
         k = idx[CHANNEL] + self.offset
         int_bias = "bias" in self.sources and self.sources["bias"].dtype == "int32"
         if self.requant is not None:
@@ -257,29 +264,51 @@ class Chain:
         if "scale" in self.per_channel:
             v = v.astype("float32") * self.per_channel["scale"][k]
         dtype = dtype_of(v)
-        for p, name in zip(self.ops, self.names):
-            if p["kind"] == "bias" and int_bias:
-                continue   # added to the int32 accumulator (requant.start)
-            if p["kind"] == "bias":
-                v = v + self.per_channel["bias"][k].astype(dtype)
-            elif p["kind"] == "sum":
-                s = self.sources[name](*idx).astype(dtype)
-                if p["zero_point"]:
-                    s = s - tirx.const(p["zero_point"], dtype)
-                v = v + tirx.const(p["scale"], dtype) * s
-            elif p["kind"] == "binary":
-                v = BINARY[p["algorithm"]](v, self._operand(p, name, idx, k).astype(dtype))
-            elif p["kind"] == "eltwise":
-                v = eltwise.apply(p["algorithm"], v, p["alpha"], p["beta"])
-        if self.requant is None:
-            return v
+        steps = [self._step(p, name, idx, k, dtype) for p, name in zip(self.ops, self.names)
+                 if not (p["kind"] == "bias" and int_bias)]   # int32: requant.start adds it
+        if self.requant is not None:
+            steps.append(self._finish(idx))
+        lets, copies = [], 1
+        for step in steps:
+            uses = _uses(step, dtype)
+            if copies * uses > MAX_COPIES and not _is_leaf(v):
+                bound = tirx.Var(f"post_op_{len(lets)}", dtype)
+                lets.append((bound, v))
+                v, copies = bound, 1
+            v, copies = step(v), copies * uses
+        for bound, value in reversed(lets):
+            v = tirx.Let(bound, value, v)
+        return v
+
+    def _step(self, p, name, idx, k, dtype):
+        """Post-op ``p`` as a function of the value so far."""
+        if p["kind"] == "bias":
+            return lambda v: v + self.per_channel["bias"][k].astype(dtype)
+        if p["kind"] == "sum":
+            s = self.sources[name](*idx).astype(dtype)
+            if p["zero_point"]:
+                s = s - tirx.const(p["zero_point"], dtype)
+            return lambda v: v + tirx.const(p["scale"], dtype) * s
+        if p["kind"] == "binary":
+            operand = self._operand(p, name, idx, k).astype(dtype)
+            return lambda v: BINARY[p["algorithm"]](v, operand)
+        if p["kind"] == "eltwise":
+            return lambda v: eltwise.apply(p["algorithm"], v, p["alpha"], p["beta"])
+        return lambda v: v   # quantized_add: the requantization's end sums it (_finish)
+
+    def _finish(self, idx):
+        """The integer chain's end: the destination's rounding and saturation, or the
+        quantized add that ends the chain."""
         last = self.ops[-1] if self.ops else None
         if last is None or last["kind"] != QUANTIZED_ADD:
-            return self.requant.finish(v)
-        q = self.requant.finish(v, as_float=True)   # the add reads it as float32
-        a = self.sources[self.names[-1]](*idx)
-        pair, scales, zero_points = qlinear_operands(last, q, a)
-        return quantize.add(*pair, scales, zero_points, self.requant.dst)
+            return self.requant.finish
+
+        def add(v):
+            q = self.requant.finish(v, as_float=True)   # the add reads it as float32
+            a = self.sources[self.names[-1]](*idx)
+            pair, scales, zero_points = qlinear_operands(last, q, a)
+            return quantize.add(*pair, scales, zero_points, self.requant.dst)
+        return add
 
     def _operand(self, p, name, idx, k):
         if p["operand"] == "tensor":
@@ -287,6 +316,37 @@ class Chain:
         if p["operand"] == "channel":
             return self.per_channel[name][k]
         return self.sources[name](*idx)
+
+
+#: the most copies of one value a chain's expression may hold before it is bound once (``Chain``)
+MAX_COPIES = 8
+_CHILDREN = ("a", "b", "condition", "true_value", "false_value", "value", "body", "args",
+             "indices")
+
+
+def _is_leaf(v) -> bool:
+    """A variable, a constant or a tensor read: nothing to bind."""
+    return isinstance(v, (tirx.Var, tirx.IntImm, tirx.FloatImm, te.tensor.TensorSlice)) or \
+        (isinstance(v, Call) and getattr(v.op, "name", "") == "te.tensor_load")
+
+
+def _uses(step, dtype) -> int:
+    """How many times ``step`` reads the value it is given: its expression on a fresh
+    variable, walked as a tree (the tree a simplifier walks)."""
+    x = tirx.Var("x", dtype)
+
+    def count(e) -> int:
+        if isinstance(e, tirx.Var):
+            return int(e.same_as(x))
+        n = 0
+        for field in _CHILDREN:
+            child = getattr(e, field, None)
+            if isinstance(child, tirx.Expr):
+                n += count(child)
+            elif child is not None and not isinstance(child, (str, int, float)):
+                n += sum(count(c) for c in child if isinstance(c, tirx.Expr))
+        return n
+    return max(count(step(x)), 1)
 
 
 def _extended(t: Source, dst: Layout) -> te.Tensor:
