@@ -313,15 +313,24 @@ def _algorithms_picked(doc: dict, plan) -> dict:
     return {**doc, "nodes": nodes}
 
 
-def _native_plan(plan, cache, lib, target, out_dir, log) -> dict | None:
+def _native_plan(plan, cache, lib, constants, target, out_dir, log) -> dict | None:
     """Compile the plan's kernel calls into ``plan.so`` (``runtime/graph/native.py``) and
     return what ``model.json`` records of it, or None (and say why) where a run needs more
-    than kernel calls: its steps are called from Python then."""
+    than kernel calls: its steps are called from Python then. The calls are described with
+    ``constants`` where the loaded model will have them: views of one buffer, at their offsets
+    in ``weights.bin``."""
     from blockpad.codegen.plan_function import build_plan
     from blockpad.runtime.graph.execution import describe_plan
     from blockpad.runtime.graph.native import PLAN_FUNCTION
+    from blockpad.runtime.memory import aligned_empty
 
-    desc, why = describe_plan(plan, cache)
+    table, nbytes = rm.weights_table(constants)
+    shared = aligned_empty(max(nbytes, 1), np.uint8)[:nbytes]
+    views = {(entry["name"], mem.layout): shared[e["offset"]:e["offset"] + e["nbytes"]].view(
+                 mem.buffer.dtype)
+             for entry, (_, mems) in zip(table, constants.values())
+             for mem, e in zip(mems, entry["layouts"])}
+    desc, why = describe_plan(plan, cache, shared, views)
     if desc is not None and not desc.calls:
         desc, why = None, "the plan calls no kernel"
     path = os.path.join(out_dir, rm.PLAN_LIBRARY)
@@ -395,7 +404,7 @@ def build_model(source, target="host", out_dir="build/model", force=False, log=N
         raise BuildError(f"{out_dir}: the plan over the built library differs from the probed "
                          f"one:\n{plan.describe()}")
     constants = _pack(g, plan)
-    native = _native_plan(plan, built.cache, lib, target, out_dir, log)
+    native = _native_plan(plan, built.cache, lib, constants, target, out_dir, log)
     rm.write_model(out_dir, _algorithms_picked(doc, plan), constants, lines,
                    {"build_key": key, "target": target.name, "kernels": len(requests),
                     "auto_picks": picks, "native": native})

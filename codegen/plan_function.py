@@ -1,7 +1,7 @@
 """A model's plan as one compiled function (``plan.so``): every kernel call of the plan, in
 order, made from native code (``runtime/graph/native.py`` says why and describes the calls).
 
-The function takes the run's backing buffers (arena slots, then inputs, weights and results)
+The function takes the run's backing buffers (arena slots, then inputs, the weights (one buffer) and results)
 as flat byte buffers; each call passes the kernel DLTensors made on the stack from a pointer
 into one of them, and finds the kernel by symbol among the modules the runtime imports into
 this one (the model's ``kernels.so``): TVM's ``tvm_call_packed``, whose lookup is made once

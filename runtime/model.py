@@ -94,31 +94,42 @@ def plan_lines(g: Graph) -> list:
 
 # ---- writing (the build side calls this) ------------------------------------------------------
 
+def weights_table(constants: dict) -> tuple:
+    """``(table, nbytes)``: where ``write_model`` puts each layout of each constant in
+    ``weights.bin`` (``table``: model.json's ``constants``, each layout at an offset aligned to
+    ``ALIGN``). A loaded model's constants are views of the file's bytes at these offsets: the
+    build describes its plan function over them (``native.describe``'s shared buffer)."""
+    table, offset = [], 0
+    for name, (shape, mems) in constants.items():
+        entry = {"name": name, "shape": [int(n) for n in shape], "dtype": mems[0].layout.dtype,
+                 "layouts": []}
+        for mem in mems:
+            nbytes = mem.layout.alloc_len * mem.buffer.dtype.itemsize
+            offset += -offset % ALIGN
+            entry["layouts"].append({"layout": mem.layout.describe(), "offset": offset,
+                                     "nbytes": int(nbytes)})
+            offset += nbytes
+        table.append(entry)
+    return table, offset
+
+
 def write_model(out_dir, doc: dict, constants: dict, plan: list, extra: dict) -> None:
     """Write ``weights.bin`` and ``model.json``. ``constants``: name -> (the graph's shape of
     it, the Memories of the layouts the plan reads it in, plain or packed); the shape is the
     graph's, not a packed layout's (grouped weights pack as 5-D ``gOIhw16i16o``/``Goihw16g``).
     ``model.json`` is written last, whole: a folder without it is not a model, one with it is
     complete."""
-    table, offset = [], 0
+    table, offset = weights_table(constants)
     tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
-    crc = 0
+    crc, written = 0, 0
     with open(tmp, "wb") as f:
-        for name, (shape, mems) in constants.items():
-            entry = {"name": name, "shape": [int(n) for n in shape], "dtype": mems[0].layout.dtype,
-                     "layouts": []}
-            for mem in mems:
+        for (_, mems), entry in zip(constants.values(), table):
+            for mem, e in zip(mems, entry["layouts"]):
+                pad = b"\0" * (e["offset"] - written)
                 raw = np.ascontiguousarray(mem.buffer[:mem.layout.alloc_len]).view(np.uint8)
-                pad = -offset % ALIGN
-                f.write(b"\0" * pad)
-                crc = zlib.crc32(b"\0" * pad, crc)
-                offset += pad
-                f.write(raw.tobytes())
-                crc = zlib.crc32(raw, crc)
-                entry["layouts"].append({"layout": mem.layout.describe(), "offset": offset,
-                                         "nbytes": int(raw.size)})
-                offset += raw.size
-            table.append(entry)
+                f.write(pad + raw.tobytes())
+                crc = zlib.crc32(raw, zlib.crc32(pad, crc))
+                written = e["offset"] + raw.size
     os.replace(tmp, os.path.join(out_dir, WEIGHTS))
     model = {"format": FORMAT, "graph": doc, "constants": table, "weights": WEIGHTS,
              "weights_bytes": offset, "weights_crc32": crc, "plan": plan, **extra}
@@ -173,6 +184,7 @@ class Model:
         g = Graph(policy=opts["policy"], cache=cache, inplace=opts["inplace"],
                   layouts=opts["layouts"], block=opts["block"], fuse=tuple(opts["fuse"]),
                   name=opts["name"])
+        g.weight_cache.backing = weights   # every constant below is a view into it
         for name, (shape, dtype) in doc["graph"]["inputs"].items():
             g.input(name, shape, dtype)
         for c in doc["constants"]:

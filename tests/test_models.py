@@ -183,12 +183,16 @@ def test_a_built_model_makes_its_kernel_calls_in_one_function(built, tmp_path):
     Python), with the first run's numbers to the bit (the same kernels on the same buffers)
     and numpy's; a new input array is read. A model whose recorded calls differ from what
     this runtime would make (the digest) runs them from Python, with the same numbers; a
-    damaged ``plan.so`` is refused."""
+    damaged ``plan.so`` is refused. The function takes the weights as one buffer (the loaded
+    ``weights.bin``), not one per constant: here the arena's slots, the weights, the input and
+    the result."""
     import shutil
 
-    out, p, _ = built
+    out, p, logs = built
     doc = json.loads((out / MODEL).read_text())
     assert doc["native"]["functions"] == {"": "blockpad_plan"} and (out / "plan.so").is_file()
+    slots = len(bp.load(out).graph.plan(x=np.zeros(SHAPE, np.float32)).slots)
+    assert f"over {slots + 3} buffers" in next(m for m in logs if "plan function" in m)
     model = bp.load(out)
     rng = np.random.default_rng(4)
     x = rng.standard_normal(SHAPE).astype("float32")
@@ -203,6 +207,13 @@ def test_a_built_model_makes_its_kernel_calls_in_one_function(built, tmp_path):
     third = model.run(x=x2)
     assert third.report.native
     np.testing.assert_allclose(third["probs"].numpy(), reference(x2, p), atol=1e-5)
+    # a constant given new values lies outside the weights buffer: the calls, described
+    # again, are not the build's, and run from Python
+    p2 = {**p, "b3": 3 * p["b3"][::-1].copy()}
+    model.graph.set_constant("b3", p2["b3"])
+    runs = [model.run(x=x2) for _ in range(2)]
+    assert not any(r.report.native for r in runs)
+    np.testing.assert_allclose(runs[1]["probs"].numpy(), reference(x2, p2), atol=1e-5)
     other = tmp_path / "other"
     shutil.copytree(out, other)
     doc["native"]["digest"] = "0" * 64

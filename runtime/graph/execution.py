@@ -139,10 +139,22 @@ class Runner:
                        report, finish)
 
 
-def describe_plan(plan: Plan, cache) -> tuple:
+def describe_plan(plan: Plan, cache, shared=None, views=None) -> tuple:
     """``native.describe`` of ``plan`` over a fresh arena (the build writes the plan function
-    from it): ``(Description, backings)`` or ``(None, reason)``."""
-    return native.describe(_Execution(plan, MemoryRuntime(plan.policy, cache), None))
+    from it): ``(Description, sources)`` or ``(None, reason)``. ``views``: ``{(constant name,
+    Layout): array}``, where each constant lies in ``shared`` as the loaded model's will (the
+    offsets of ``weights.bin``); a step reading a constant as it is reads its plain one."""
+    exe = _Execution(plan, MemoryRuntime(plan.policy, cache), None)
+    views = views or {}
+    weight = {buf.id: name for name, buf in plan.weight_bufs}
+    plain = {name: v for (name, lay), v in views.items() if lay.is_plain}
+    for b in plan.bufs:
+        s = b.storage
+        if views and s.kind == "weight":
+            exe.mems[b.id].buffer = views[(weight[b.id], b.layout)]
+        elif views and s.kind == "constant" and s.last is not None:   # read by a step
+            exe.mems[b.id].buffer = plain[s.value]
+    return native.describe(exe, shared)
 
 
 class _Execution:
@@ -269,11 +281,19 @@ class _Execution:
             labels.append(st.label)
         self.calls, self.labels = calls, labels
         self._bound = True
-        if self._native_plan is not None and as_planned:
-            function, digest = self._native_plan
-            desc, _ = native.describe(self)
-            if desc is not None and desc.digest() == digest:
-                self.native = native.Native(function, self)
+        self._as_planned = as_planned
+        self._attach_native()
+
+    def _attach_native(self):
+        """The plan function over this arena's buffers as they are bound now, if its calls are
+        the ones the build described (the digest), else None: the calls from Python."""
+        self.native = None
+        if self._native_plan is None or not self._as_planned:
+            return
+        function, digest = self._native_plan
+        desc, sources = native.describe(self)
+        if desc is not None and desc.digest() == digest:
+            self.native = native.Native(function, self, sources)
 
     def _binder(self, b):
         """The policy's work at "memory creation" for the buffer ``b`` its producer is about
@@ -368,8 +388,9 @@ class _Execution:
                 fresh = aligned_empty(s.nbytes, np.uint8)
             mem.buffer = fresh[:b.layout.nbytes].view(numpy_dtype(b.layout.dtype))
             mem.state = UNKNOWN                 # a new buffer: its padding is anything
-        if not self._bound:
-            self._bind(weights)
+        first = not self._bound
+        if first:
+            self._bind(weights)   # and the plan function, if its calls are these
             rebound = True
         report.native = self.native is not None and not rebound
         if report.native:
@@ -377,8 +398,8 @@ class _Execution:
         else:   # the first run, or new weights or constants: every call checks its arguments
             for call in self.calls:
                 call()
-            if self.native is not None:
-                self.native.refresh()
+            if rebound and not first and self._native_plan is not None:
+                self._attach_native()   # new weights or constants: described again
         if stream is not None:
             for mem in self._unique_mems:
                 mem.wait()   # a zero-pad on the stream that no kernel waited for (none expected)

@@ -6,7 +6,7 @@ with the interpreter's data out of cache after each kernel, 0.1-0.3 ms a run for
 arguments the graph keeps by construction (``describe``), the model build compiles a function
 (``plan.so``, ``codegen/plan_function.py``) that makes the same calls, in the same order, on
 the same views: each argument a DLTensor made on the stack from a pointer into one of the
-run's backing buffers (an arena slot, an input, a weight, a result), each kernel looked up in
+run's backing buffers (an arena slot, an input, the weights, a result), each kernel looked up in
 the model's library by the symbol this pool size calls. A run then passes its backing buffers
 in one call (``Native``).
 
@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+
+import numpy as np
 
 from blockpad.vocabulary import KERNEL_ZEROS
 
@@ -54,8 +56,8 @@ class Call:
 
 @dataclass(frozen=True)
 class Description:
-    """The calls of a plan over ``backings`` buffers (arena slots first, then the other
-    memories in order of first use)."""
+    """The calls of a plan over ``backings`` buffers (arena slots first, then the shared
+    buffer and the other memories, in order of first use)."""
 
     backings: int
     calls: tuple
@@ -67,19 +69,28 @@ class Description:
         return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
-def describe(exe) -> tuple:
-    """``(Description, backing buffers)`` of an ``_Execution``'s plan, or ``(None, reason)``
-    where its run needs more than kernel calls: a step that is not a kernel, a policy whose
-    kernels do not zero their destinations' padding (the run zero-pads between calls), a
-    kernel whose contract is not the plain one (a destination stage, padding preserved or
-    inherited: what ``BoundCall.trusted`` keeps checked), a sub-memory argument, a bfloat16
-    argument. The backing
-    buffers are the execution's own (numpy arrays), in the description's order."""
+def describe(exe, shared=None) -> tuple:
+    """``(Description, sources)`` of an ``_Execution``'s plan, or ``(None, reason)`` where its
+    run needs more than kernel calls: a step that is not a kernel, a policy whose kernels do
+    not zero their destinations' padding (the run zero-pads between calls), a kernel whose
+    contract is not the plain one (a destination stage, padding preserved or inherited: what
+    ``BoundCall.trusted`` keeps checked), a sub-memory argument, a bfloat16 argument.
+
+    ``shared`` (default: the execution's ``WeightCache.backing``): one buffer that memories
+    may lie in, a loaded model's weights as ``weights.bin`` is read: every memory inside it is
+    an offset into one backing, not a backing of its own. DenseNet-121's plan function took
+    334 buffers so, one per weight and bias, and compiled in 17.5 s; with 13, in 5 s (LLVM's
+    code for unpacking and checking each argument was most of it), and a call passes 13.
+
+    ``sources``, one per backing in the description's order: an array (an arena slot, the
+    shared buffer) or the Memory whose current buffer a run passes (an input, a result)."""
     plan = exe.plan
     if plan.policy not in KERNEL_ZEROS:
         return None, f"policy {plan.policy!r} zero-pads between kernel calls"
-    slot_of = {}
-    backings = list(exe.slots)
+    if shared is None and exe.weights is not None:
+        shared = exe.weights.backing
+    index = {}
+    sources = list(exe.slots)
     calls = []
     for st in plan.steps:
         if st.kernel is None:
@@ -93,15 +104,18 @@ def describe(exe) -> tuple:
             mem = exe.mems[b.id]
             if mem.parent is not None:
                 return None, f"kernel {sig.name} takes a sub-memory"
+            view = mem.physical_view(a.storage)
             if b.storage.kind == "arena":
                 i = b.storage.slot
+                base = sources[i]
             else:
-                i = slot_of.setdefault(id(mem), len(backings))
-                if i == len(backings):
-                    backings.append(mem.buffer)
-            view = mem.physical_view(a.storage)
-            base = backings[i]
-            offset = view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+                inside = shared is not None and _within(mem.buffer, shared)
+                key = "shared" if inside else id(mem)
+                i = index.setdefault(key, len(sources))
+                if i == len(sources):
+                    sources.append(shared if inside else mem)
+                base = shared if inside else mem.buffer
+            offset = _address(view) - _address(base)
             if view.dtype.name == "bfloat16":
                 return None, (f"kernel {sig.name} takes a bfloat16 array, which the plan "
                               f"function cannot describe (TVM's LLVM lowering stores bfloat16 "
@@ -110,60 +124,49 @@ def describe(exe) -> tuple:
             args.append(Arg(i, int(offset), tuple(int(n) for n in view.shape), view.dtype.name,
                             None if row_major else tuple(s // view.itemsize for s in view.strides)))
         calls.append(Call(sig.name, tuple(args)))
-    return Description(len(backings), tuple(calls)), backings
+    return Description(len(sources), tuple(calls)), sources
 
 
-def memories(exe) -> list:
-    """The non-arena memories of an execution in ``describe``'s backing order (after the
-    slots): a run passes their current buffers."""
-    seen, out = set(), []
-    for st in exe.plan.steps:
-        for b in st.args:
-            mem = exe.mems[b.id]
-            if b.storage.kind != "arena" and id(mem) not in seen:
-                seen.add(id(mem))
-                out.append(mem)
-    return out
+def _address(a) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _within(buf, shared) -> bool:
+    start, end = _address(shared), _address(shared) + shared.nbytes
+    return start <= _address(buf) and _address(buf) + buf.nbytes <= end
 
 
 class Native:
-    """The compiled plan bound to one execution's buffers: ``run()`` makes every call of the
-    plan. The arguments are made once (``refresh`` again after new weights or constants); only
-    the memories whose buffer a run may change (an input given as a new array, a large result's
-    new buffer) are looked at per run."""
+    """The compiled plan bound to one execution's buffers (``describe``'s ``sources``):
+    ``run()`` makes every call of the plan. The arguments are made once; only the memories
+    whose buffer a run may change (an input given as a new array, a large result's new
+    buffer) are looked at per run. New weights or constants describe the execution again
+    (``_Execution``): a description that changed means no plan function."""
 
-    def __init__(self, function, exe):
+    def __init__(self, function, exe, sources):
         from ..tvm_runtime import as_tensor
 
         self._as_tensor = as_tensor
         self._function = function
-        self._exe = exe
-        mems = memories(exe)
         volatile = {id(m) for _, m in exe.inputs} | {id(m) for _, m in exe.fresh_outputs}
-        self._volatile = [(i, m) for i, m in enumerate(mems) if id(m) in volatile]
+        self._volatile = [(i, m) for i, m in enumerate(sources) if id(m) in volatile]
         # what a checked call would mark clean and a run does not leave so: the results
         # given a new buffer each run (the arena's stay clean from the first, checked run)
         self._written = [m for _, m in exe.fresh_outputs]
-        self._mems = mems
-        self.refresh()
+        self._args = [self._tensor(s if isinstance(s, np.ndarray) else s.buffer)
+                      for s in sources]
+        self._buffers = {i: m.buffer for i, m in self._volatile}
 
     def _tensor(self, buf):
         raw = buf if buf.flags.writeable else _readable_alias(buf)   # as Memory.kernel_arg
         return self._as_tensor(raw.view("uint8"))
 
-    def refresh(self):
-        """Make every argument again from the execution's current buffers."""
-        slots = [self._as_tensor(s) for s in self._exe.slots]
-        self._args = slots + [self._tensor(m.buffer) for m in self._mems]
-        self._buffers = {i: m.buffer for i, m in self._volatile}
-        self._first = len(slots)
-
     def run(self):
-        args, first = self._args, self._first
+        args = self._args
         for i, mem in self._volatile:
             buf = mem.buffer
             if buf is not self._buffers[i]:
-                args[first + i] = self._tensor(buf)
+                args[i] = self._tensor(buf)
                 self._buffers[i] = buf
         self._function(*args)
         for mem in self._written:

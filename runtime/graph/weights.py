@@ -46,6 +46,9 @@ class WeightCache:
         self._prepacked: set = set()  # constants held only in packed layouts
         self._seven_bit: set = set()  # int8 weights planned as weight_bits = 7 kernels' input
         self._owned: set = set()      # constants nobody else can write: never compared
+        # the one buffer the constants lie in, where there is one (a loaded model's
+        # weights.bin): the plan function takes it as one argument (native.describe)
+        self.backing = None
         self._lock = threading.RLock()
 
     def add(self, name, array, owned=False) -> None:
