@@ -180,6 +180,20 @@ def test_bench_winograd_fits_the_rates_that_made_the_times():
     assert chosen[3] == wino.choose(1, 512, 512, 7, 7, made)
 
 
+def test_bench_winograd_runs_end_to_end(tmp_path, monkeypatch, capsys):
+    """``blockpad bench winograd --quick``: builds every variant of two layers for the host,
+    times them in a process of its own and prints each layer's times and picks, and either
+    the fitted rates or why the fit failed (one round of a loaded machine may not fit)."""
+    from blockpad.bench import winograd as bench
+
+    monkeypatch.chdir(tmp_path)
+    bench.main(target="host", repeat=1, threads=1, quick=True)
+    out = capsys.readouterr().out
+    assert "64 -> 64 @ 28x28" in out and "256 -> 256 @ 7x7" in out
+    assert "the current model for host" in out
+    assert "an entry for blockpad/winograd.py RATES" in out or "the fit failed" in out
+
+
 # ---- kernels against numpy ----------------------------------------------------------------
 
 @pytest.mark.parametrize("name,m,c", CASES)
