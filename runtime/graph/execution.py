@@ -206,11 +206,13 @@ class _Execution:
         self.fresh_outputs = [(b, m) for b, m in given if b.storage.kind == "output"
                               and b.storage.id not in kept]   # a new buffer each run
         self._copied = set(kept)
-        # (name, memory, elements, shape) of each result where every one is plain in a kept
-        # buffer (``run_arrays`` copies them out as they are), else None
+        # (name, the result as an array of its shape) of each result where every one is plain
+        # in a kept buffer (``run_arrays`` copies them out), else None; the kept buffers are
+        # this arena's for its life, so the views are made once: slicing and reshaping per
+        # run cost MobileNetV2 ~18 us at 1 thread, the interpreter's data out of cache
         outs = [(name, self.mems[b.id], b) for name, b in plan.outputs.items()]
-        self._plain_outputs = [(name, mem, math.prod(b.layout.shape), b.layout.shape)
-                               for name, mem, b in outs] \
+        self._plain_outputs = [(name, mem.buffer[:math.prod(b.layout.shape)].reshape(
+                                   b.layout.shape)) for name, mem, b in outs] \
             if all(b.storage.id in kept and b.layout.is_plain and b.storage.kind == "output"
                    for _, _, b in outs) else None
         self._unique_mems = list({id(m): m for m in self.mems.values()}.values())
@@ -241,7 +243,7 @@ class _Execution:
                 held = self._held[b.storage.value] = (value, value.reshape(-1))
             mem.buffer, mem.state = held[1], CLEAN
         self.native.run()
-        return {name: mem.buffer[:size].copy().reshape(shape) for name, mem, size, shape in outs}
+        return {name: view.copy() for name, view in outs}
 
     def _flat(self, name):
         """The constant ``name`` as a flat buffer, the same object run after run while the
