@@ -219,6 +219,7 @@ class Model:
                             f"build ({diff}); rebuild it")
         weights_read()
         self.inputs = dict(g.inputs)
+        self._input = next(iter(self.inputs), None)
         self.outputs = list(g.outputs)
 
     def _plan_function(self, native: dict) -> tuple:
@@ -299,7 +300,10 @@ class Model:
     def __call__(self, *args, **kw):
         """Run and return the output as a numpy array (a dict of them for several outputs).
         Inputs: numpy arrays or any CPU DLPack tensor (PyTorch's, zero-copy)."""
-        given = self._given(args, kw)
+        if len(args) == 1 and not kw and type(args[0]) is np.ndarray and len(self.inputs) == 1:
+            given = {self._input: args[0]}   # the common call, without _given's general work
+        else:
+            given = self._given(args, kw)
         res = self.graph.run_arrays(given)
         if res is None:
             res = self.graph.run(given).numpy()
