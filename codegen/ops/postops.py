@@ -252,11 +252,13 @@ class Chain:
     def __call__(self, v, idx):
         """Computed in the accumulator's type (float32 for integer and 16-bit sources).
 
-        A step that reads its operand several times (a NaN-aware max: 3, exp: 10) copies the
+        A step that reads its operand several times (a NaN-aware max or min: four) copies the
         expression so far as often; along a chain the copies multiply, and TVM's simplifier,
-        which walks the expression as a tree, took 450 s on a max, a min and an exp. Where the
-        copies would pass ``MAX_COPIES`` the value so far is bound to a variable once
-        (``tirx.Let``), so the expression grows by a sum, not a product."""
+        which walks the expression as a tree, took 450 s on a max, a min and an exp (whose
+        polynomial, written later by ``schedules/vector_math``, reads its argument 109 times;
+        counted here as one read, a call). Where the copies would pass ``MAX_COPIES`` the value
+        so far is bound to a variable once (``tirx.Let``): the expression grows by a sum, not a
+        product."""
         k = idx[CHANNEL] + self.offset
         int_bias = "bias" in self.sources and self.sources["bias"].dtype == "int32"
         if self.requant is not None:
