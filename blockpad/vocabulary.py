@@ -110,6 +110,13 @@ WEIGHT_BITS_ATTR = "blockpad.weight_bits"
 #: where it holds, so that other kernels' structural hashes (their tuning records) stay.
 MASKED_READS_ATTR = "blockpad.masked_reads"
 
+#: The float32 functions every CPU schedule writes as vector polynomials
+#: (``schedules/vector_math``), and the fewest times one of those reads its argument (sigmoid,
+#: through fast_exp: 18; exp 109, tanh 19, erf 21): a post-op chain binds a value it passes to
+#: one once (``codegen/ops/postops.Chain``) rather than have it copied that often.
+POLYNOMIALS = ("tirx.exp", "tirx.erf", "tirx.tanh", "tirx.sigmoid")
+POLYNOMIAL_READS = 18
+
 
 def with_defaults(post_op) -> dict:
     """A post-op (a mapping with ``kind``) with its kind's defaults filled in where it leaves

@@ -7,9 +7,10 @@ memory bandwidth. oneDNN's JIT and Arm Compute Library evaluate polynomials in v
 instead; TVM has the same ones (topi.fast_exp / fast_erf / fast_tanh: Cephes and Eigen, a few
 ulp in fp32), which replace the calls here. Rules call ``vector_math`` on the func they are
 given; ``VectorMath`` is the rule of last resort for kernels no other rule took. A function
-of one of these polynomials (a post-op chain's exp after its gelu) stays a call: with no
-``Let`` to bind the inner value, each level of polynomials would copy the level below into
-every read of its argument.
+of one of these polynomials stays a call: with no ``Let`` to bind the inner value, each level
+of polynomials would copy the level below into every read of its argument. A post-op chain
+binds the value it passes to one (``codegen/ops/postops.Chain``: a gelu's, then an exp), so
+there both are polynomials.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import tvm
 import tvm_ffi
 from tvm import tirx
+
+from blockpad.vocabulary import POLYNOMIALS
 
 from . import generic
 from .rule import ScheduleRule
@@ -77,7 +80,7 @@ def vector_math(func):
 def _replaced(call) -> bool:
     """Whether ``call`` is one of the fp32 functions ``vector_math`` writes as a polynomial."""
     name = getattr(call.op, "name", "")
-    return (name in _FAST or name == "tirx.sigmoid") and str(call.ty.dtype) == "float32"
+    return name in POLYNOMIALS and str(call.ty.dtype) == "float32"
 
 
 def _contains(x, nodes) -> bool:

@@ -63,6 +63,8 @@ from blockpad.vocabulary import (
     BINARY_POST_OPS,
     MAX_BINARIES,
     MAX_SUMS,
+    POLYNOMIAL_READS,
+    POLYNOMIALS,
     POST_OP_DEFAULTS,
     POST_OP_TENSORS,
     QUANTIZED_ADD,
@@ -252,12 +254,12 @@ class Chain:
     def __call__(self, v, idx):
         """Computed in the accumulator's type (float32 for integer and 16-bit sources).
 
-        A step that reads its operand several times (a NaN-aware max or min: four) copies the
-        expression so far as often; along a chain the copies multiply, and TVM's simplifier,
-        which walks the expression as a tree, took 450 s on a max, a min and an exp (whose
-        polynomial, written later by ``schedules/vector_math``, reads its argument 109 times;
-        counted here as one read, a call). Where the copies would pass ``MAX_COPIES`` the value
-        so far is bound to a variable once (``tirx.Let``): the expression grows by a sum, not a
+        A step that reads its operand several times (a NaN-aware max or min: four; an exp,
+        which ``schedules/vector_math`` writes as a polynomial: 109) copies the expression so
+        far as often; along a chain the copies multiply, and TVM's simplifier, which walks the
+        expression as a tree, took 450 s on a max, a min and an exp (23 s with the exp's
+        argument copied 109 times). Where the copies would pass ``MAX_COPIES`` the value so far
+        is bound to a variable once (``tirx.Let``): the expression grows by a sum, not a
         product."""
         k = idx[CHANNEL] + self.offset
         int_bias = "bias" in self.sources and self.sources["bias"].dtype == "int32"
@@ -334,12 +336,15 @@ def _is_leaf(v) -> bool:
 
 def _uses(step, dtype) -> int:
     """How many times ``step`` reads the value it is given: its expression on a fresh
-    variable, walked as a tree (the tree a simplifier walks)."""
+    variable, walked as a tree (the tree a simplifier walks), a function written later as a
+    polynomial counted as the polynomial's reads of its argument."""
     x = tirx.Var("x", dtype)
 
     def count(e) -> int:
         if isinstance(e, tirx.Var):
             return int(e.same_as(x))
+        if isinstance(e, Call) and getattr(e.op, "name", "") in POLYNOMIALS:
+            return POLYNOMIAL_READS * count(e.args[0])
         n = 0
         for field in _CHILDREN:
             child = getattr(e, field, None)
