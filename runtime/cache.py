@@ -262,10 +262,9 @@ class KernelCache:
         library's (a loaded model's own), else what the compiler says of ``target``, else
         none known. The graph packs weights for the instructions they name (bf16 for
         ``vdpbf16ps``), and a model's load plans as its build did, from the same target."""
-        with self._lock:
-            libs = list(self._libraries)
-        if libs:
-            return tuple(libs[0].manifest["target"].get("features", ()))
+        built = self._built_target()
+        if built is not None:
+            return tuple(built.get("features", ()))
         features = getattr(self.compiler, "target_features", None)
         return tuple(features(self.target)) if callable(features) else ()
 
@@ -273,9 +272,14 @@ class KernelCache:
     def target_name(self) -> str:
         """The name of the target this cache's kernels are for, as ``target_features`` finds
         it: the cost models that choose between kernels go by it (``blockpad.winograd``)."""
+        built = self._built_target()
+        return self.target if built is None else built.get("name", self.target)
+
+    def _built_target(self) -> dict | None:
+        """The manifest's target of this cache's first prebuilt library, if it has one."""
         with self._lock:
             libs = list(self._libraries)
-        return libs[0].manifest["target"].get("name", self.target) if libs else self.target
+        return libs[0].manifest["target"] if libs else None
 
     @property
     def jit_dir(self) -> str:

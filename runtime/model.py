@@ -219,7 +219,8 @@ class Model:
                             f"build ({diff}); rebuild it")
         weights_read()
         self.inputs = dict(g.inputs)
-        self._input = next(iter(self.inputs), None)
+        # the only input's name (None for several): what ``__call__`` binds one array to
+        self._input = next(iter(self.inputs)) if len(self.inputs) == 1 else None
         self.outputs = list(g.outputs)
 
     def _plan_function(self, native: dict) -> tuple:
@@ -300,7 +301,7 @@ class Model:
     def __call__(self, *args, **kw):
         """Run and return the output as a numpy array (a dict of them for several outputs).
         Inputs: numpy arrays or any CPU DLPack tensor (PyTorch's, zero-copy)."""
-        if len(args) == 1 and not kw and type(args[0]) is np.ndarray and len(self.inputs) == 1:
+        if len(args) == 1 and not kw and type(args[0]) is np.ndarray and self._input:
             given = {self._input: args[0]}   # the common call, without _given's general work
         else:
             given = self._given(args, kw)

@@ -400,7 +400,7 @@ class _Execution:
         else:   # the first run, or new weights or constants: every call checks its arguments
             for call in self.calls:
                 call()
-            if rebound and not first and self._native_plan is not None:
+            if rebound and not first:
                 self._attach_native()   # new weights or constants: described again
         if stream is not None:
             for mem in self._unique_mems:
