@@ -6,5 +6,5 @@ vocabulary's post-op defaults must invalidate cached kernels and recorded failur
 
 __version__ = "0.1.0"
 
-GENERATOR_MODULES = ("errors", "layout", "machine", "manifest", "numpy_conv", "qlinear",
-                     "vocabulary", "winograd")
+GENERATOR_MODULES = ("channel_blocks", "errors", "layout", "machine", "manifest", "numpy_conv",
+                     "qlinear", "vocabulary", "winograd")

@@ -162,6 +162,14 @@ def _accumulate(sch, acc, target, step=1):
     sch.vectorize(sch.get_loops(init)[-1])
 
 
+def _widest(target, block: int) -> int:
+    """The target's float32 vector, halved down to 4 lanes until it divides ``block``."""
+    lanes = vector_lanes(target, "float32")
+    while lanes > 4 and block % lanes:
+        lanes //= 2
+    return lanes
+
+
 def _band_rows(height, stride, kernel, cores, most) -> int:
     """Output rows per band: at most ``most`` (the band buffer's size), bands spread evenly
     over ``cores`` (the parallel loop gives each core a run of whole bands), the fewest
@@ -186,12 +194,11 @@ def _schedule(func, target, band_bytes, min_bands):
     regs = target.tile_registers
     _, kb_n, oh_n, ow_n, kb_size = _extents(sch, dst)
     _, eb_n, h_n, w_n, cb = _extents(sch, blocks[EXPANDED])
-    # the widest vector that divides the channel blocks: nChw8c on AVX-512 takes ymm (it fell
-    # to the generic rule, 2.7 GFLOP/s against 91 for host's kernel of the same block)
-    lanes = vector_lanes(target, "float32")
-    while lanes > 4 and (kb_size % lanes or cb % lanes):
-        lanes //= 2
-    if kb_size % lanes or cb % lanes:
+    # the widest vectors that divide the destination's channel block (the projection's
+    # ``lanes``: nChw8c on AVX-512 takes ymm; it fell to the generic rule once, 2.7 GFLOP/s
+    # against 91 for host's kernel of the same block) and the inner stages' (``inner``)
+    lanes, inner = (_widest(target, n) for n in (kb_size, cb))
+    if kb_size % lanes or cb % inner:
         return None
     stride = max(1, round(h_n / oh_n))            # about: only the band's height depends on it
     kh = _extents(sch, blocks[DEPTHWISE])[-2]
@@ -217,7 +224,7 @@ def _schedule(func, target, band_bytes, min_bands):
     *_, d_n, d_eb, d_oh, d_ow, d_e = sch.get_loops(out)
     m = divisor_at_most(ow_n, 8)
     d_owo, d_owi = sch.split(d_ow, [None, m])
-    d_eo, d_ei = sch.split(d_e, [None, lanes])
+    d_eo, d_ei = sch.split(d_e, [None, inner])
     sch.reorder(d_eb, d_eo, d_owo, d_owi, d_ei)
     sch.compute_at(blocks[DEPTHWISE], d_owo, preserve_unit_loops=True)
     _accumulate(sch, blocks[DEPTHWISE], target)
@@ -230,7 +237,7 @@ def _schedule(func, target, band_bytes, min_bands):
     sch.compute_at(exd, task, preserve_unit_loops=True)
     *_, e_n, e_eb, e_h, e_w, e_e = sch.get_loops(exd)
     sch.reorder(e_n, e_h, e_eb, e_w, e_e)
-    outer, (e_bi, e_wi, e_ei) = _gemm_tile(sch, (e_eb, e_w, e_e), (eb_n, w_n, cb), lanes, regs)
+    outer, (e_bi, e_wi, e_ei) = _gemm_tile(sch, (e_eb, e_w, e_e), (eb_n, w_n, cb), inner, regs)
     ex = blocks[EXPAND]
     sch.compute_at(ex, outer[-1], preserve_unit_loops=True)
     rc = sch.get_loops(ex)[-1]

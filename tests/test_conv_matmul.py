@@ -39,6 +39,14 @@ CASES = {
     "blk8_7x7s2": {"op": "conv2d", "shape": [1, 3, 11, 10], "channels": 20, "kernel": [7, 7],
                    "stride": [2, 2], "pad": [3, 3], "src": "nChw8c", "weights": "OIhw8i8o",
                    "dst": "nChw8c", "sum": "nChw8c", "post_ops": [{"kind": "sum"}, SIGMOID]},
+    # the blocks the graph changes between on Zen 4 (channel_blocks): into nChw8c where 16
+    # would pad 24 channels to 32, and out of it
+    "to_8c": {"op": "conv2d", "shape": [1, 40, 5, 9], "channels": 24, "src": "nChw16c",
+              "weights": "OIhw16i8o", "dst": "nChw8c", "sum": "nChw8c",
+              "post_ops": [{"kind": "bias"}, {"kind": "sum"}]},
+    "from_8c": {"op": "conv2d", "shape": [1, 24, 6, 7], "channels": 37, "kernel": [3, 3],
+                "pad": [1, 1], "src": "nChw8c", "weights": "OIhw8i16o", "dst": "nChw16c",
+                "post_ops": [{"kind": "bias"}, RELU]},
     "plain_dilated": {"op": "conv2d", "shape": [1, 5, 9, 8], "channels": 6, "kernel": [3, 3],
                       "pad": [2, 2], "dilation": [2, 2], "src": "nchw", "weights": "oihw",
                       "dst": "nchw", "post_ops": [{"kind": "eltwise", "algorithm": "linear",

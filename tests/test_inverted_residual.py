@@ -54,6 +54,12 @@ CASES = {
     "tails": block(20, 60, 12, (7, 9), act=SIGMOID),
     "k5_batch": block(16, 32, 24, (6, 7), kernel=5, batch=2),
     "plain": block(6, 18, 6, (5, 6), plain=True, residual=True),
+    # blocks that change on the way (the graph on Zen 4: MobileNetV2's 24 channels in
+    # nChw8c, channel_blocks): the inner stages stay on blocks of 16 either way
+    "to_8c": {**block(16, 48, 24, (9, 10), stride=2), "dst": "nChw8c", "weights": "OIhw16i8o"},
+    "in_8c": {**block(24, 48, 24, (7, 9), residual=True), "src": "nChw8c", "dst": "nChw8c",
+              "sum": "nChw8c", "expand_weights": "OIhw8i16o", "weights": "OIhw16i8o"},
+    "from_8c": {**block(24, 40, 32, (6, 7)), "src": "nChw8c", "expand_weights": "OIhw8i16o"},
     # a destination of five dims blocked along w, not channels (blockpad check seed 4242 case
     # 56: the fused rule took it for channel blocks and computed the last channel wrong)
     "w_blocked": {**block(3, 18, 12, (8, 9), plain=True), "dst": "nchW16w",
@@ -272,6 +278,17 @@ def test_the_one_thread_variant_is_one_band():
     assert rule.for_threads(small, target, 2) is None
     assert bands(rule.apply(large, target)) == ["8"]
     assert bands(rule.for_threads(large, target, 1)) == ["5"]
+
+
+def test_a_projection_into_8_channel_blocks_keeps_zmm_expansions(tmp_path):
+    """An ``nChw8c`` destination on AVX-512 (compiled here whatever this CPU runs): the
+    projection's FMAs on ymm, 24 channels as three of them rather than two zmm, the expansion's
+    and the depthwise's still on zmm (their blocks are 16: channel_blocks.inner_block)."""
+    bp.build(parse_spec({"kernel": [{**CASES["in_8c"], "shape": [1, 24, 14, 14],
+                                      "name": "ir"}]}), "avx512", tmp_path, log=lambda m: None)
+    code = kernel_instructions(asm_functions(tmp_path), "ir")
+    fmas = [line for line in code if "vfmadd" in line]
+    assert sum("%zmm" in line for line in fmas) >= 9 and sum("%ymm" in line for line in fmas) >= 3
 
 
 @pytest.mark.parametrize("target,register", [("host", "ymm"), ("avx512", "zmm")])

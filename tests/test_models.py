@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import blockpad as bp
-from blockpad.model_build import build_model
+from blockpad.codegen.targets import get_target
+from blockpad.model_build import build_model, plan_kernels
 from blockpad.runtime.library import describe
 from blockpad.runtime.model import MODEL, WEIGHTS
 
@@ -355,6 +356,37 @@ def test_a_model_builds_for_a_machine_it_cannot_run_on(tmp_path):
     with pytest.raises(bp.LoadError, match="library is for aarch64"):
         bp.load(out)
     assert describe(out).target == "neon"   # the manifest the plan was checked over
+
+
+@pytest.mark.parametrize("target,narrow", [("zen4", True), ("avx512", False)])
+def test_a_plan_keeps_few_channels_in_8_channel_blocks_where_ymm_is_as_fast(target, narrow):
+    """``blockpad.channel_blocks``: on Zen 4 (AVX-512 FMAs run as two 256-bit halves) 24
+    channels go in ``nChw8c`` (three ymm blocks, not two zmm blocks padded to 32), out of the
+    fused block and of a plain convolution alike, and the next kernels read them there, with no
+    reorder; a Cascade Lake (two 512-bit FMA ports) keeps ``nChw16c``. Planned with the model
+    build's probing cache: nothing is compiled."""
+    rng = np.random.default_rng(0)
+    w = lambda *shape: rng.standard_normal(shape).astype("float32")  # noqa: E731
+    relu6 = {"kind": "eltwise", "algorithm": "clip", "alpha": 0.0, "beta": 6.0}
+    g = bp.Graph(name="narrow")
+    x = g.input("x", (1, 16, 40, 40))   # an expansion of 300 KB: fused (FUSE_EXPANDED_BYTES)
+    e = g.conv2d(x, g.constant("we", w(48, 16, 1, 1)), g.constant("be", w(48)),
+                 post_ops=["bias", relu6], name="expand")
+    d = g.conv2d(e, g.constant("wd", w(48, 1, 3, 3)), g.constant("bd", w(48)), pad=1,
+                 groups=48, post_ops=["bias", relu6], name="dw")
+    p = g.conv2d(d, g.constant("wp", w(24, 48, 1, 1)), g.constant("bp", w(24)), name="project")
+    q = g.conv2d(p, g.constant("wq", w(24, 24, 1, 1)), name="conv24")
+    g.output(g.conv2d(q, g.constant("wr", w(32, 24, 3, 3)), pad=1, name="conv32"))
+    lines, _ = plan_kernels(g, lambda m: None, get_target(target))
+    plan = "\n".join(lines)
+    b = "nChw8c" if narrow else "nChw16c"
+    assert [line.split()[:3] for line in lines if line.startswith("reorder")] == \
+        [["reorder", "x", "nchw->nChw16c"]], plan
+    fused = next(line for line in lines if line.startswith("project"))
+    assert fused.endswith(f"-> {b} (kernel)") and "Goihw16g" in fused, plan
+    assert next(line for line in lines if line.startswith("conv24")).split()[1] == f"{b},", plan
+    assert f"{b}, OIhw{b[4:-1]}i16o" in next(line for line in lines
+                                               if line.startswith("conv32")), plan
 
 
 def test_a_model_for_a_gpu_is_refused_before_anything_is_built(tmp_path):

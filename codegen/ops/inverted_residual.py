@@ -16,10 +16,12 @@ Why one kernel: the expanded tensor is the largest of the block (6x the block's 
 channels) and each of the three convolutions alone is bound by memory, not arithmetic, at
 MobileNet's channel counts. ``schedules/inverted_residual.py`` computes the expansion for a
 band of rows, the depthwise one output row at a time and the projection from that row, all
-in cache. The inner stages are declared on channel blocks of ``CB`` (the destination's channel
-block, else 8); ``expanded`` is the expansion's epilogue (bias, activation) on the image, and
-the depthwise reads it as ``select(in_image, expanded[clamped], 0)``: every read in the
-tensor, no branch, and the epilogue applied where the expansion's sums are, in registers.
+in cache. The inner stages are declared on channel blocks of ``cb``
+(``channel_blocks.inner_block``: 16 for a destination in blocks of 8 or 16, so that a
+projection into ``nChw8c`` keeps the expansion on whole zmm registers); ``expanded`` is the
+expansion's epilogue (bias, activation) on the image, and the depthwise reads it as
+``select(in_image, expanded[clamped], 0)``: every read in the tensor, no branch, and the
+epilogue applied where the expansion's sums are, in registers.
 Expanded channels past E (E not a block multiple) are computed as zeros that the projection's
 zero weight padding cancels; they never reach the destination.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
+from blockpad.channel_blocks import inner_block
 from blockpad.errors import SpecError
 from blockpad.layout import window_out_size
 from blockpad.vocabulary import DEPTHWISE, DEPTHWISE_OUT, EXPAND, EXPANDED
@@ -95,7 +98,7 @@ def make(layouts, name, policy, expanded=None, channels=None, kernel=(3, 3), str
                                 expand_post_ops, depthwise_post_ops)
     n, c, h, w = src.shape
     ph, pw = kh // 2, kw // 2
-    cb = dst.blocks[1] if dst.blocks[1] > 1 else 8
+    cb = inner_block(dst.blocks[1])
     eb = -(-expanded // cb)
     # the expansion reduces over the source's channels rounded up to 8 (reduced_channels)
     c_red = reduced_channels(c, src, layouts["expand_weights"], 8)

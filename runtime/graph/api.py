@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from blockpad import winograd
+from blockpad import channel_blocks, winograd
 from blockpad.errors import ArgumentError
 from blockpad.layout import Layout, dtype_name, numpy_dtype, pad_sides
 from blockpad.vocabulary import (
@@ -555,6 +555,15 @@ class Graph:
         if self.block:
             return [self.block]
         return [16, 8] if max(c_in, c_out) > 8 else [8, 16]
+
+    def narrow_block(self, channels, dtype):
+        """8 where a convolution's destination of ``channels`` should take ``nChw8c`` whatever
+        its source's block (``blockpad.channel_blocks``: float32 on a core whose FMA units are
+        256 bits wide, most of a last block of 16 empty), else None. Not where the Graph's
+        ``block`` is set."""
+        if self.layouts == "plain" or self.block or dtype_name(dtype) != "float32":
+            return None
+        return channel_blocks.narrow_block(channels, self.cache.target_name)
 
     def weight_tag(self, block, groups, depthwise, dtype="float32"):
         """The weights' tag beside an ``nChw<block>c`` source: ``OIhw<b>i<b>o`` for

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from blockpad import qlinear, winograd
+from blockpad.channel_blocks import inner_block
 from blockpad.errors import ArgumentError
-from blockpad.layout import Layout, pad_sides, pad_sides_param, window_out_size
+from blockpad.layout import Layout, dtype_name, pad_sides, pad_sides_param, window_out_size
 from blockpad.numpy_conv import direct_conv
 from blockpad.vocabulary import (
     INPLACE_SOURCES,
@@ -45,6 +46,18 @@ def plain(shape, dtype, weights=False) -> Layout:
 def _plain(shape, dtype, weights):
     table = _PLAIN_WEIGHTS if weights and len(shape) in _PLAIN_WEIGHTS else _PLAIN_ACT
     return Layout(table[len(shape)], shape, dtype)
+
+
+def _first(block, blocks) -> list:
+    """``blocks`` with ``block`` first (None: as they are)."""
+    return blocks if block is None else [block, *(b for b in blocks if b != block)]
+
+
+def _source_block(home, block) -> int:
+    """The channel block a kernel reads a source in: its home's where that is ``nChw8c`` or
+    ``nChw16c`` (no reorder between the two), else ``block`` (a plain input's reorder)."""
+    b = home.blocks[1] if home is not None and len(home.shape) == 4 else 1
+    return b if b in (8, 16) and home.tag == f"nChw{b}c" else block
 
 
 def blocked(shape, dtype, block) -> Layout | None:
@@ -587,13 +600,21 @@ class Conv2d(OpInfo):
         depthwise = groups > 1 and groups == src[1] == w[0]
         out = []
         tile = self.winograd_tile(node, types, graph)
-        for block in graph.conv_blocks(src[1], out_shape[1], groups):
+        # a direct float32 convolution may change blocks: its source's block as it comes, its
+        # destination's nChw8c where channel_blocks says a block of 16 wastes too much
+        mixed = groups == 1 and tile is None and dtype_name(dt) == dtype_name(wdt) == "float32"
+        narrow = graph.narrow_block(out_shape[1], dt) if mixed else None
+        blocks = graph.conv_blocks(src[1], out_shape[1], groups)
+        for block in _first(narrow, blocks):
+            sb = _source_block(homes[0], blocks[0] if block == narrow else block) \
+                if mixed else block
             if tile is not None:   # Winograd-domain weights, transformed once (graph.py)
                 wl = winograd.weights_layout(w[0], w[1], tile, block, dt)
             else:
-                tag = graph.weight_tag(block, groups, depthwise, wdt)
+                tag = graph.weight_tag(block, groups, depthwise, wdt) if sb == block \
+                    else f"OIhw{sb}i{block}o"
                 wl = self._weights(w, wdt, groups, tag)
-            s, d = blocked(src, dt, block), blocked(out_shape, out_dt, block)
+            s, d = blocked(src, dt, sb), blocked(out_shape, out_dt, block)
             rest = [plain(t[0], t[1]) if len(t[0]) == 1 else blocked(*t, block)
                     for t in extra] + [d]
             if groups == 1 and tile is None and 2 * src[1] <= block:
@@ -680,11 +701,16 @@ class InvertedResidual(OpInfo):
         dw_shape = (wd[0], 1, 1, *wd[2:])
         args = [("in", i) for i in range(len(types))] + [("out", 0)]
         out_lays = []
-        for block in graph.conv_blocks(max(src[1], w1[0]), out[1], 1):
-            tag = graph.weight_tag(block, 1, False, dt)
-            lays = [blocked(src, dt, block), Layout(tag, tuple(w1), dt), plain(b1, dt),
-                    Layout(graph.weight_tag(block, wd[0], True, dt), dw_shape, dt), plain(bd, dt),
-                    Layout(tag, tuple(w2), dt),
+        # the source in the block it comes in, the inner stages on channel_blocks.inner_block,
+        # the destination in nChw8c where a block of 16 wastes too much (MobileNetV2's 24)
+        blocks = graph.conv_blocks(max(src[1], w1[0]), out[1], 1)
+        narrow = graph.narrow_block(out[1], dt)
+        for block in _first(narrow, blocks):
+            sb = _source_block(homes[0], blocks[0] if block == narrow else block)
+            cb = inner_block(block)
+            lays = [blocked(src, dt, sb), Layout(f"OIhw{sb}i{cb}o", tuple(w1), dt), plain(b1, dt),
+                    Layout(f"Goihw{cb}g", dw_shape, dt), plain(bd, dt),
+                    Layout(f"OIhw{cb}i{block}o", tuple(w2), dt),
                     *(plain(*t) if len(t[0]) == 1 else blocked(*t, block) for t in types[6:]),
                     blocked(out, dt, block)]
             out_lays.append(Candidate(lays[:-1], lays[-1:], lambda inplace, lays=lays:

@@ -43,8 +43,8 @@ class PlanSource(Protocol):
     ``weight_cache`` (its ``arrays`` give each constant's shape and dtype; planning asks it
     which are prepacked and warms the weight reorders). The options: ``policy``, ``layouts``
     (``"blocked"``/``"plain"``), ``fuse`` (post-op kinds), ``inplace`` (bool), and the
-    ``cache`` that kernels are found in. The ops' ``choices`` also call ``conv_blocks`` and
-    ``weight_tag``."""
+    ``cache`` that kernels are found in. The ops' ``choices`` also call ``conv_blocks``,
+    ``narrow_block`` and ``weight_tag``."""
 
     policy: str
     layouts: str
@@ -57,6 +57,8 @@ class PlanSource(Protocol):
     weight_cache: WeightCache
 
     def conv_blocks(self, c_in: int, c_out: int, groups: int) -> list: ...
+
+    def narrow_block(self, channels: int, dtype) -> int | None: ...
 
     def weight_tag(self, block: int, groups: int, depthwise: bool) -> str: ...
 
