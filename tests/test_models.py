@@ -362,9 +362,10 @@ def test_a_model_builds_for_a_machine_it_cannot_run_on(tmp_path):
 def test_a_plan_keeps_few_channels_in_8_channel_blocks_where_ymm_is_as_fast(target, narrow):
     """``blockpad.channel_blocks``: on Zen 4 (AVX-512 FMAs run as two 256-bit halves) 24
     channels go in ``nChw8c`` (three ymm blocks, not two zmm blocks padded to 32), out of the
-    fused block and of a plain convolution alike, and the next kernels read them there, with no
-    reorder; a Cascade Lake (two 512-bit FMA ports) keeps ``nChw16c``. Planned with the model
-    build's probing cache: nothing is compiled."""
+    fused block and of a plain convolution alike, and the next direct kernels read them
+    there, with no reorder (a Winograd kernel after a reorder); a Cascade Lake (two 512-bit
+    FMA ports) keeps ``nChw16c``. Planned with the model build's probing cache: nothing is
+    compiled."""
     rng = np.random.default_rng(0)
     w = lambda *shape: rng.standard_normal(shape).astype("float32")  # noqa: E731
     relu6 = {"kind": "eltwise", "algorithm": "clip", "alpha": 0.0, "beta": 6.0}
@@ -376,17 +377,20 @@ def test_a_plan_keeps_few_channels_in_8_channel_blocks_where_ymm_is_as_fast(targ
                  groups=48, post_ops=["bias", relu6], name="dw")
     p = g.conv2d(d, g.constant("wp", w(24, 48, 1, 1)), g.constant("bp", w(24)), name="project")
     q = g.conv2d(p, g.constant("wq", w(24, 24, 1, 1)), name="conv24")
-    g.output(g.conv2d(q, g.constant("wr", w(32, 24, 3, 3)), pad=1, name="conv32"))
+    g.output(g.conv2d(q, g.constant("wr", w(32, 24, 3, 3)), pad=1, algorithm="winograd",
+                      name="conv32"))
     lines, _ = plan_kernels(g, lambda m: None, get_target(target))
     plan = "\n".join(lines)
     b = "nChw8c" if narrow else "nChw16c"
-    assert [line.split()[:3] for line in lines if line.startswith("reorder")] == \
-        [["reorder", "x", "nchw->nChw16c"]], plan
+    assert [line.split()[:3] for line in lines if line.startswith("reorder")][0] == \
+        ["reorder", "x", "nchw->nChw16c"], plan
     fused = next(line for line in lines if line.startswith("project"))
     assert fused.endswith(f"-> {b} (kernel)") and "Goihw16g" in fused, plan
     assert next(line for line in lines if line.startswith("conv24")).split()[1] == f"{b},", plan
-    assert f"{b}, OIhw{b[4:-1]}i16o" in next(line for line in lines
-                                               if line.startswith("conv32")), plan
+    # Winograd reads whole blocks of 16: 24 channels of nChw8c come to it reordered
+    assert [line.split()[:3] for line in lines if line.startswith("reorder")][1:] == \
+        ([["reorder", "conv24", "nChw8c->nChw16c"]] if narrow else []), plan
+    assert "nChw16c, hwOi16o" in next(line for line in lines if line.startswith("conv32")), plan
 
 
 def test_a_model_for_a_gpu_is_refused_before_anything_is_built(tmp_path):

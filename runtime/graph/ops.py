@@ -601,7 +601,9 @@ class Conv2d(OpInfo):
         out = []
         tile = self.winograd_tile(node, types, graph)
         # a direct float32 convolution may change blocks: its source's block as it comes, its
-        # destination's nChw8c where channel_blocks says a block of 16 wastes too much
+        # destination's nChw8c where channel_blocks says a block of 16 wastes too much (not
+        # Winograd: its input transform on 40 channels in nChw8c, vectors of 16 partly past
+        # the channels, took 0.66 ms against 0.37 on nChw16c)
         mixed = groups == 1 and tile is None and dtype_name(dt) == dtype_name(wdt) == "float32"
         narrow = graph.narrow_block(out_shape[1], dt) if mixed else None
         blocks = graph.conv_blocks(src[1], out_shape[1], groups)
