@@ -19,6 +19,10 @@ _SCALAR = {"float32": "T.float32", "float16": "T.float16", "bfloat16": "T.bfloat
            "int64": "T.int64", "float64": "T.float64"}
 
 
+#: TVM's passes that store bfloat16 as uint16 (``build_plan`` leaves them out)
+_BF16_LEGALIZE = ("tirx.BF16ComputeLegalize", "tirx.BF16StorageLegalize")
+
+
 def script(name: str, backings: int, calls) -> str:
     """TVMScript of plan function ``name`` over ``backings`` byte buffers making ``calls``:
     ``[(symbol, [(backing, byte offset, shape, dtype, element strides or None), ...]), ...]``."""
@@ -55,6 +59,13 @@ def build_plan(functions: dict, backings: int, target, path) -> None:
     sources = {name: script(name, backings, calls) for name, calls in functions.items()}
     mod = tvm.IRModule({name: tvm.script.from_source(src)
                         for name, src in sources.items()})
-    export(tvm.compile(mod, target=target.tvm_target()), os.fspath(path), target)
+    # no bfloat16 legalization: it would turn a bfloat16 argument's dtype witness into uint16,
+    # and the DLTensor made from it would say uint16, which a bfloat16 kernel refuses (the
+    # function computes nothing in bfloat16: a witness gives its array's dtype, nothing more)
+    ctx = tvm.transform.PassContext.current()
+    with tvm.transform.PassContext(opt_level=ctx.opt_level, config=dict(ctx.config),
+                                   disabled_pass=[*ctx.disabled_pass, *_BF16_LEGALIZE]):
+        lib = tvm.compile(mod, target=target.tvm_target())
+    export(lib, os.fspath(path), target)
     with open(os.fspath(path) + ".py", "w") as f:
         f.write("\n\n".join(sources.values()))

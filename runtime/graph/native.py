@@ -74,7 +74,7 @@ def describe(exe, shared=None) -> tuple:
     run needs more than kernel calls: a step that is not a kernel, a policy whose kernels do
     not zero their destinations' padding (the run zero-pads between calls), a kernel whose
     contract is not the plain one (a destination stage, padding preserved or inherited: what
-    ``BoundCall.trusted`` keeps checked), a sub-memory argument, a bfloat16 argument.
+    ``BoundCall.trusted`` keeps checked), a sub-memory argument.
 
     ``shared`` (default: the execution's ``WeightCache.backing``): one buffer that memories
     may lie in, a loaded model's weights as ``weights.bin`` is read: every memory inside it is
@@ -116,10 +116,6 @@ def describe(exe, shared=None) -> tuple:
                     sources.append(shared if inside else mem)
                 base = shared if inside else mem.buffer
             offset = _address(view) - _address(base)
-            if view.dtype.name == "bfloat16":
-                return None, (f"kernel {sig.name} takes a bfloat16 array, which the plan "
-                              f"function cannot describe (TVM's LLVM lowering stores bfloat16 "
-                              f"as uint16, so the DLTensor it made would say uint16)")
             row_major = view.flags.c_contiguous
             args.append(Arg(i, int(offset), tuple(int(n) for n in view.shape), view.dtype.name,
                             None if row_major else tuple(s // view.itemsize for s in view.strides)))
