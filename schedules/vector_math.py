@@ -35,7 +35,6 @@ class VectorMath(ScheduleRule):
         return None if new.same_as(func) else generic.Fallback().apply(new, target)
 
 
-_FAST = {"tirx.exp": "fast_exp", "tirx.erf": "fast_erf", "tirx.tanh": "fast_tanh"}
 _TANH_CLAMP = 9.0   # beyond it tanh is +-1 in fp32 (fast_tanh's rational function is not)
 
 
@@ -63,17 +62,7 @@ def vector_math(func):
             # multiplied the expression: one small convolution's build ran past 8 minutes.
             # The outer function stays a call, per lane (libm): slower, and rare
             return call
-        name = call.op.name
-        x = call.args[0]
-        if name == "tirx.sigmoid":
-            one = tirx.const(1.0, "float32")
-            return one / (one + _fast("fast_exp", -x))
-        if name == "tirx.tanh":
-            return _fast("fast_tanh", tirx.max(tirx.min(x, tirx.const(_TANH_CLAMP, "float32")),
-                                               tirx.const(-_TANH_CLAMP, "float32")))
-        if name == "tirx.exp":
-            return _exp(x)
-        return _fast(_FAST[name], x)
+        return EXPANSIONS[call.op.name](call.args[0])
     return tvm_ffi.structural_map(func, (tvm.ir.expr.Call, rewrite))
 
 
@@ -102,6 +91,21 @@ def _exp(x):
     half = _fast("fast_exp", x * tirx.Select(big, tirx.const(0.5, "float32"),
                                              tirx.const(1.0, "float32")))
     return tirx.Select(big, half * half, half)
+
+
+def _sigmoid(x):
+    one = tirx.const(1.0, "float32")
+    return one / (one + _fast("fast_exp", -x))
+
+
+def _tanh(x):
+    return _fast("fast_tanh", tirx.max(tirx.min(x, tirx.const(_TANH_CLAMP, "float32")),
+                                       tirx.const(-_TANH_CLAMP, "float32")))
+
+
+#: The polynomial of each function of ``vocabulary.POLYNOMIALS`` (the same names: tested)
+EXPANSIONS = {"tirx.exp": _exp, "tirx.erf": lambda x: _fast("fast_erf", x), "tirx.tanh": _tanh,
+              "tirx.sigmoid": _sigmoid}
 
 
 def _fast(kind, x):

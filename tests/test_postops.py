@@ -113,6 +113,16 @@ def test_a_chain_of_transcendental_entries(tmp_path):
         assert (result["status"], result["guard_bytes"]) == ("ok", 0), result["problems"]
 
 
+def test_the_chain_counts_as_polynomials_the_functions_the_schedules_expand():
+    """``vocabulary.POLYNOMIALS`` (what a chain counts as many reads of its argument) and
+    ``schedules.vector_math.EXPANSIONS`` (what the CPU schedules write as polynomials) name
+    the same functions: one added to one side alone would copy or bind for nothing."""
+    from blockpad.schedules.vector_math import EXPANSIONS
+    from blockpad.vocabulary import POLYNOMIALS
+
+    assert set(EXPANSIONS) == set(POLYNOMIALS)
+
+
 def test_a_chain_whose_entries_copy_their_operand_binds_it_once(tmp_path):
     """A NaN-aware max reads its operand four times and so does the min after it: sixteen
     copies of the value before them, each a select over masked reads, and the exp's polynomial
