@@ -362,10 +362,10 @@ def test_a_model_builds_for_a_machine_it_cannot_run_on(tmp_path):
 def test_a_plan_keeps_few_channels_in_8_channel_blocks_where_ymm_is_as_fast(target, narrow):
     """``blockpad.channel_blocks``: on Zen 4 (AVX-512 FMAs run as two 256-bit halves) 24
     channels go in ``nChw8c`` (three ymm blocks, not two zmm blocks padded to 32), out of the
-    fused block and of a plain convolution alike, and the next direct kernels read them
-    there, with no reorder (a Winograd kernel after a reorder); a Cascade Lake (two 512-bit
-    FMA ports) keeps ``nChw16c``. Planned with the model build's probing cache: nothing is
-    compiled."""
+    fused block and of a plain convolution alike, and the next direct kernels (a depthwise
+    one too) read them there, with no reorder (a Winograd kernel after a reorder); a Cascade
+    Lake (two 512-bit FMA ports) keeps ``nChw16c``. Planned with the model build's probing
+    cache: nothing is compiled."""
     rng = np.random.default_rng(0)
     w = lambda *shape: rng.standard_normal(shape).astype("float32")  # noqa: E731
     relu6 = {"kind": "eltwise", "algorithm": "clip", "alpha": 0.0, "beta": 6.0}
@@ -376,7 +376,8 @@ def test_a_plan_keeps_few_channels_in_8_channel_blocks_where_ymm_is_as_fast(targ
     d = g.conv2d(e, g.constant("wd", w(48, 1, 3, 3)), g.constant("bd", w(48)), pad=1,
                  groups=48, post_ops=["bias", relu6], name="dw")
     p = g.conv2d(d, g.constant("wp", w(24, 48, 1, 1)), g.constant("bp", w(24)), name="project")
-    q = g.conv2d(p, g.constant("wq", w(24, 24, 1, 1)), name="conv24")
+    q = g.conv2d(g.conv2d(p, g.constant("wq", w(24, 24, 1, 1)), name="conv24"),
+                 g.constant("wd2", w(24, 1, 3, 3)), pad=1, groups=24, name="dw24")
     g.output(g.conv2d(q, g.constant("wr", w(32, 24, 3, 3)), pad=1, algorithm="winograd",
                       name="conv32"))
     lines, _ = plan_kernels(g, lambda m: None, get_target(target))
@@ -387,9 +388,11 @@ def test_a_plan_keeps_few_channels_in_8_channel_blocks_where_ymm_is_as_fast(targ
     fused = next(line for line in lines if line.startswith("project"))
     assert fused.endswith(f"-> {b} (kernel)") and "Goihw16g" in fused, plan
     assert next(line for line in lines if line.startswith("conv24")).split()[1] == f"{b},", plan
+    assert f"{b}, Goihw{b[4:-1]}g -> {b}" in next(line for line in lines
+                                                  if line.startswith("dw24")), plan
     # Winograd reads whole blocks of 16: 24 channels of nChw8c come to it reordered
     assert [line.split()[:3] for line in lines if line.startswith("reorder")][1:] == \
-        ([["reorder", "conv24", "nChw8c->nChw16c"]] if narrow else []), plan
+        ([["reorder", "dw24", "nChw8c->nChw16c"]] if narrow else []), plan
     assert "nChw16c, hwOi16o" in next(line for line in lines if line.startswith("conv32")), plan
 
 

@@ -607,6 +607,8 @@ class Conv2d(OpInfo):
         mixed = groups == 1 and tile is None and dtype_name(dt) == dtype_name(wdt) == "float32"
         narrow = graph.narrow_block(out_shape[1], dt) if mixed else None
         blocks = graph.conv_blocks(src[1], out_shape[1], groups)
+        if depthwise:   # blocks in and out alike: the source's as it comes first
+            narrow = _source_block(homes[0], None)
         for block in _first(narrow, blocks):
             sb = _source_block(homes[0], blocks[0] if block == narrow else block) \
                 if mixed else block
