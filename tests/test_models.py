@@ -358,6 +358,16 @@ def test_a_model_builds_for_a_machine_it_cannot_run_on(tmp_path):
     assert describe(out).target == "neon"   # the manifest the plan was checked over
 
 
+def test_the_narrow_block_rule():
+    """``channel_blocks.narrow_block``: 8 where 16 pads at least 1.2 times the channels 8
+    pads, on Zen 4 only; whole blocks of 16 never narrow."""
+    from blockpad.channel_blocks import narrow_block
+
+    assert [c for c in range(1, 257) if narrow_block(c, "zen4")] == \
+        [1, 2, 3, 4, 5, 6, 7, 8, 17, 18, 19, 20, 21, 22, 23, 24, 33, 34, 35, 36, 37, 38, 39, 40]
+    assert not any(narrow_block(c, t) for c in range(1, 257) for t in ("host", "avx512", "amx"))
+
+
 @pytest.mark.parametrize("target,narrow", [("zen4", True), ("avx512", False)])
 def test_a_plan_keeps_few_channels_in_8_channel_blocks_where_ymm_is_as_fast(target, narrow):
     """``blockpad.channel_blocks``: on Zen 4 (AVX-512 FMAs run as two 256-bit halves) 24
