@@ -73,7 +73,8 @@ class Graph:
     given, else the process-wide one). ``inplace``: run the in-place pass. ``layouts``:
     ``"blocked"`` (propagate blocked layouts) or ``"plain"`` (every op on plain layouts: the
     baseline). ``block``: the channel block of blocked activations (8 or 16; None: 16 unless
-    every channel count fits 8 better). ``weights``: ``"check"`` or ``"frozen"`` (see the
+    every channel count fits 8 better, and on Zen 4 8 for a convolution's output whose last
+    block of 16 would be mostly padding: ``narrow_block``). ``weights``: ``"check"`` or ``"frozen"`` (see the
     module docstring). ``fuse``: what runs fused (``passes.FUSIONS``, all by default; none:
     False/()): a convolution's only reader inside its kernel as oneDNN post-ops,
     ``"eltwise"`` and ``"sum"`` (an add), and ``"inverted_residual"``: a 1x1 expansion, a
