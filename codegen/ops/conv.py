@@ -142,8 +142,8 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
     cg, kg = geo.c // groups, geo.k // groups
     # groups = 1: reduce over the channel blocks source and weights both have (float32: at most
     # the channels rounded up to 8)
-    c_red = reduced_channels(cg, src, wei, 8 if src.dtype == "float32" else None) \
-        if groups == 1 else cg
+    c_red = reduced_channels(cg, src, wei, 8 if src.dtype == "float32" else None,
+                             geo.kernel[0] * geo.kernel[1]) if groups == 1 else cg
     reduces_over_padding = c_red > cg
     halo_covers = all(p[0] <= h[0] and p[1] <= h[1]
                       for p, h in zip(geo.pad, src.paddings[2:]))
