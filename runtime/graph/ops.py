@@ -605,12 +605,13 @@ class Conv2d(OpInfo):
         # Winograd: its input transform on 40 channels in nChw8c, vectors of 16 partly past
         # the channels, took 0.66 ms against 0.37 on nChw16c)
         mixed = groups == 1 and tile is None and dtype_name(dt) == dtype_name(wdt) == "float32"
-        narrow = graph.narrow_block(out_shape[1], dt) if mixed else None
         blocks = graph.conv_blocks(src[1], out_shape[1], groups)
-        if depthwise:   # blocks in and out alike: the source's as it comes first
-            narrow = _source_block(homes[0], None)
-        for block in _first(narrow, blocks):
-            sb = _source_block(homes[0], blocks[0] if block == narrow else block) \
+        # the block tried first: a narrow destination's, or a depthwise one's source's (its
+        # blocks in and out alike) as it comes
+        first = graph.narrow_block(out_shape[1], dt) if mixed else \
+            _source_block(homes[0], None) if depthwise else None
+        for block in _first(first, blocks):
+            sb = _source_block(homes[0], blocks[0] if block == first else block) \
                 if mixed else block
             if tile is not None:   # Winograd-domain weights, transformed once (graph.py)
                 wl = winograd.weights_layout(w[0], w[1], tile, block, dt)
