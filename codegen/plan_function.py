@@ -1,11 +1,11 @@
 """A model's plan as one compiled function (``plan.so``): every kernel call of the plan, in
 order, made from native code (``runtime/graph/native.py`` says why and describes the calls).
 
-The function takes the run's backing buffers (arena slots, then inputs, the weights (one buffer) and results)
-as flat byte buffers; each call passes the kernel DLTensors made on the stack from a pointer
-into one of them, and finds the kernel by symbol among the modules the runtime imports into
-this one (the model's ``kernels.so``): TVM's ``tvm_call_packed``, whose lookup is made once
-per call site. A kernel's error returns through the function as a call from Python would.
+The function takes the run's backing buffers (arena slots, then inputs, the weights as one
+buffer, and results) as flat byte buffers; each call passes the kernel DLTensors made on the
+stack from a pointer into one of them, and finds the kernel by symbol among the modules the
+runtime imports into this one (the model's ``kernels.so``): TVM's ``tvm_call_packed``, whose
+lookup is made once per call site. A kernel's error returns through the function as a call from Python would.
 Written as TVMScript text, which names every argument plainly in ``plan.so``'s sources.
 """
 

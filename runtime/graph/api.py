@@ -74,8 +74,8 @@ class Graph:
     ``"blocked"`` (propagate blocked layouts) or ``"plain"`` (every op on plain layouts: the
     baseline). ``block``: the channel block of blocked activations (8 or 16; None: 16 unless
     every channel count fits 8 better, and on Zen 4 8 for a convolution's output whose last
-    block of 16 would be mostly padding: ``narrow_block``). ``weights``: ``"check"`` or ``"frozen"`` (see the
-    module docstring). ``fuse``: what runs fused (``passes.FUSIONS``, all by default; none:
+    block of 16 would be mostly padding: ``narrow_block``). ``weights``: ``"check"`` or
+    ``"frozen"`` (see the module docstring). ``fuse``: what runs fused (``passes.FUSIONS``, all by default; none:
     False/()): a convolution's only reader inside its kernel as oneDNN post-ops,
     ``"eltwise"`` and ``"sum"`` (an add), and ``"inverted_residual"``: a 1x1 expansion, a
     depthwise convolution and a 1x1 projection as one kernel (MobileNetV2's blocks;
@@ -566,19 +566,22 @@ class Graph:
             return None
         return channel_blocks.narrow_block(channels, self.cache.target_name)
 
-    def weight_tag(self, block, groups, depthwise, dtype="float32"):
-        """The weights' tag beside an ``nChw<block>c`` source: ``OIhw<b>i<b>o`` for
-        ``groups = 1``; int8 ``OIhw<b/4>i<b>o4i``, so that ``b`` outputs x 4 input channels are
-        one register of the dot-product instructions (``vpmaddubsw``, ``vpdpbusd``, ``sdot``:
-        with ``OIhw<b>i<b>o`` the kernel falls back to widening scalar multiplies, 4-6x slower
-        than float32); bf16 ``OIhw<b/2>i<b>o2i`` where the cache's target has ``vdpbf16ps``
-        (``avx512_bf16``: 2.4x the FMAs on a ResNet 3x3 layer), else ``OIhw<b>i<b>o``: FMAs of
-        widened bf16 run 0.56x as fast on the pairs (avx512: 55 against 97 GFLOP/s); depthwise
-        (groups = C = K) ``Goihw<b>g``, the groups blocked as the source's channels are; other
-        grouped ``gOIhw<b>i<b>o`` (each group's K/G x C/G padded to whole blocks)."""
+    def weight_tag(self, block, groups, depthwise, dtype="float32", src_block=None):
+        """The weights' tag beside an ``nChw<block>c`` source: ``OIhw<b>i<b>o`` for ``groups = 1``
+        (``OIhw<s>i<b>o`` for a float kernel whose source comes in blocks of ``src_block`` =
+        s, its destination's of ``block``); int8 ``OIhw<b/4>i<b>o4i``, so that ``b`` outputs
+        x 4 input channels are one register of the dot-product instructions (``vpmaddubsw``,
+        ``vpdpbusd``, ``sdot``: with ``OIhw<b>i<b>o`` the kernel falls back to widening
+        scalar multiplies, 4-6x slower than float32); bf16 ``OIhw<b/2>i<b>o2i`` where the
+        cache's target has ``vdpbf16ps`` (``avx512_bf16``: 2.4x the FMAs on a ResNet 3x3
+        layer), else ``OIhw<b>i<b>o``: FMAs of widened bf16 run 0.56x as fast on the pairs
+        (avx512: 55 against 97 GFLOP/s); depthwise (groups = C = K) ``Goihw<b>g``, the
+        groups blocked as the source's channels are; other grouped ``gOIhw<b>i<b>o`` (each
+        group's K/G x C/G padded to whole blocks)."""
         if groups == 1:
             steps = dot_steps(dtype, self.cache.target_features)
-            return f"OIhw{block // steps}i{block}o{steps}i" if steps else f"OIhw{block}i{block}o"
+            return f"OIhw{block // steps}i{block}o{steps}i" if steps \
+                else f"OIhw{src_block or block}i{block}o"
         return f"Goihw{block}g" if depthwise else f"gOIhw{block}i{block}o"
 
     def plan(self, **inputs) -> Plan:

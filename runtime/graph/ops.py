@@ -616,8 +616,7 @@ class Conv2d(OpInfo):
             if tile is not None:   # Winograd-domain weights, transformed once (graph.py)
                 wl = winograd.weights_layout(w[0], w[1], tile, block, dt)
             else:
-                tag = graph.weight_tag(block, groups, depthwise, wdt) if sb == block \
-                    else f"OIhw{sb}i{block}o"
+                tag = graph.weight_tag(block, groups, depthwise, wdt, sb)
                 wl = self._weights(w, wdt, groups, tag)
             s, d = blocked(src, dt, sb), blocked(out_shape, out_dt, block)
             rest = [plain(t[0], t[1]) if len(t[0]) == 1 else blocked(*t, block)
@@ -713,9 +712,10 @@ class InvertedResidual(OpInfo):
         for block in _first(narrow, blocks):
             sb = _source_block(homes[0], blocks[0] if block == narrow else block)
             cb = inner_block(block)
-            lays = [blocked(src, dt, sb), Layout(f"OIhw{sb}i{cb}o", tuple(w1), dt), plain(b1, dt),
-                    Layout(f"Goihw{cb}g", dw_shape, dt), plain(bd, dt),
-                    Layout(f"OIhw{cb}i{block}o", tuple(w2), dt),
+            lays = [blocked(src, dt, sb),
+                    Layout(graph.weight_tag(cb, 1, False, dt, sb), tuple(w1), dt), plain(b1, dt),
+                    Layout(graph.weight_tag(cb, wd[0], True, dt), dw_shape, dt), plain(bd, dt),
+                    Layout(graph.weight_tag(block, 1, False, dt, cb), tuple(w2), dt),
                     *(plain(*t) if len(t[0]) == 1 else blocked(*t, block) for t in types[6:]),
                     blocked(out, dt, block)]
             out_lays.append(Candidate(lays[:-1], lays[-1:], lambda inplace, lays=lays:

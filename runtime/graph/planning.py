@@ -60,7 +60,8 @@ class PlanSource(Protocol):
 
     def narrow_block(self, channels: int, dtype) -> int | None: ...
 
-    def weight_tag(self, block: int, groups: int, depthwise: bool) -> str: ...
+    def weight_tag(self, block: int, groups: int, depthwise: bool, dtype: str = "float32",
+                   src_block: int | None = None) -> str: ...
 
 
 class _Storage:
