@@ -73,6 +73,9 @@ def main(argv=None) -> int:
     p.add_argument("--conv-algorithm", choices=["auto", "direct"], default="auto",
                    help="bench model, resnet: blockpad's convolutions (auto: Winograd where "
                    "it pays)")
+    p.add_argument("--tuning-logs", metavar="DIR", default=None,
+                   help="bench model, int8: build blockpad's models with the records "
+                   "`blockpad tune` wrote into DIR (default: untuned), into folders of their own")
     p.add_argument("--processes", type=_positive, default=1,
                    help="bench model, int8, resnet (at more than 1 thread): processes per "
                    "contender, round by round; each "
@@ -249,7 +252,8 @@ def _bench(args):
 
         model.main(args.model or "resnet50", args.batch, args.hw, repeat=args.repeat,
                    threads=args.threads, target=args.target,
-                   conv_algorithm=args.conv_algorithm, processes=args.processes)
+                   conv_algorithm=args.conv_algorithm, processes=args.processes,
+                   tuning_logs=args.tuning_logs)
         return
     if args.what == "layers":   # a network layer by layer against ONNX Runtime, 1 thread
         from .bench import layers
@@ -261,7 +265,7 @@ def _bench(args):
 
         int8.main((args.model,) if args.model else int8.MODELS, args.batch, args.hw,
                   repeat=args.repeat, threads=args.threads, target=args.target,
-                  processes=args.processes)
+                  processes=args.processes, tuning_logs=args.tuning_logs)
         return
     if args.what == "mixed":   # blockpad and PyTorch calling in turn in one process
         from .bench import mixed

@@ -197,9 +197,12 @@ def _log_tuning(log, tuning, logs_dir):
     tuned = [f"{n} ({s['time_us']} us)" for n, s in tuning.items() if s["tuned"]]
     log(f"tuning records ({logs_dir}): {len(tuned)} of {len(tuning)} kernels tuned"
         + (f": {', '.join(tuned)}" if tuned else ""))
-    for name, s in tuning.items():
-        if not s["tuned"]:
-            log(f"  {name}: default schedule ({s['reason']})")
+    untuned = [(name, s["reason"]) for name, s in tuning.items() if not s["tuned"]]
+    if tuned or len({reason for _, reason in untuned}) > 1:
+        for name, reason in untuned:
+            log(f"  {name}: default schedule ({reason})")
+    elif untuned:   # one reason for every kernel (no logs for this target): said once
+        log(f"  every kernel: default schedule ({untuned[0][1]})")
 
 
 def recorded_seconds(logs, tvm_target):

@@ -225,6 +225,22 @@ def test_build_applies_the_fastest_record_and_says_which_kernels_are_tuned(tuned
     assert any("reorder: default schedule (not tuned" in line for line in lines)
 
 
+def test_a_build_without_records_says_so_once():
+    """A model of 46 kernels and no logs for its target printed 46 identical lines."""
+    from blockpad.codegen.build import _log_tuning
+
+    none = {"tuned": False, "reason": "no record (no tuning logs in /x/zen4)"}
+    lines = []
+    _log_tuning(lines.append, {f"k{i}": none for i in range(5)}, "/x/zen4")
+    assert lines == ["tuning records (/x/zen4): 0 of 5 kernels tuned",
+                     "  every kernel: default schedule (no record (no tuning logs in /x/zen4))"]
+    lines.clear()
+    other = {"tuned": False, "reason": "not tuned: one variant"}
+    _log_tuning(lines.append, {"a": none, "b": other}, "/x/zen4")
+    assert lines[1:] == ["  a: default schedule (no record (no tuning logs in /x/zen4))",
+                         "  b: default schedule (not tuned: one variant)"]
+
+
 def test_tuned_kernels_match_numpy(tuned_build, rng):
     lib = bp.load(tuned_build[0].out_dir)
     for entry in (CONV, MATMUL):

@@ -70,9 +70,9 @@ def _spawn(name, threads, paths, args) -> dict:
                       paths["int8_dir"], "--input", paths["input"]])
 
 
-def prepare(name, batch, hw, seed, target, log=print) -> dict:
+def prepare(name, batch, hw, seed, target, log=print, tuning_logs=None) -> dict:
     """The fp32 model built ahead of time (``bench model``'s ``prepare``), its quantized QDQ
-    form, and that built ahead of time too."""
+    form, and that built ahead of time too; both with ``tuning_logs``' records where given."""
     import onnx
 
     from blockpad.model_build import build_model
@@ -80,20 +80,21 @@ def prepare(name, batch, hw, seed, target, log=print) -> dict:
 
     from . import model
 
-    paths = model.prepare(name, batch, hw, seed, target, log)
+    paths = model.prepare(name, batch, hw, seed, target, log, tuning_logs=tuning_logs)
     int8 = os.path.join(paths["work"], f"{name}_int8_qdq.onnx")
     if not os.path.isfile(int8):
         log(f"quantizing {paths['onnx']} (QDQ, calibrated on random inputs)")
         onnx.save(quantized.quantize(onnx.load(paths["onnx"]), "qdq", seed=seed), int8)
     t0 = time.perf_counter()
-    int8_dir = os.path.join(paths["work"], f"blockpad_int8_{target}")
-    build_model(int8, target, int8_dir, log=log)
+    int8_dir = os.path.join(paths["work"], f"blockpad_int8_{target}" +
+                            ("" if tuning_logs is None else "_tuned"))
+    build_model(int8, target, int8_dir, log=log, tuning_logs=tuning_logs)
     log(f"blockpad int8 build: {time.perf_counter() - t0:.1f} s")
     return {**paths, "int8": int8, "int8_dir": int8_dir}
 
 
 def main(models=MODELS, batch=1, hw=224, repeat=5, threads=None, target=None, seed=0,
-         processes=1):
+         processes=1, tuning_logs=None):
     from blockpad.codegen.targets import native_target
     from blockpad.runtime.tvm_runtime import default_threads
 
@@ -103,18 +104,18 @@ def main(models=MODELS, batch=1, hw=224, repeat=5, threads=None, target=None, se
     cores = default_threads()
     counts = [threads] if threads else sorted({1, cores})
     for name in models:
-        paths = prepare(name, batch, hw, seed, target)
+        paths = prepare(name, batch, hw, seed, target, tuning_logs=tuning_logs)
         args = argparse.Namespace(model=name, repeat=repeat, seed=seed)
         def spawn(c, t, paths=paths, args=args):
             return fp32._spawn("blockpad", t, paths, args) if c == "blockpad fp32" else \
                 _spawn(c, t, paths, args)
         results = best_of_processes(spawn, (*INT8, "blockpad fp32"), counts, processes)
-        _report(name, batch, hw, target, counts, results, processes)
+        _report(name, batch, hw, target, counts, results, processes, fp32.tuned_by(tuning_logs))
 
 
-def _report(name, batch, hw, target, counts, results, processes=1):
-    print(f"\nbench int8: {name}, batch {batch}, {hw}x{hw}; blockpad kernels for {target}; "
-          f"{isolation(processes)}")
+def _report(name, batch, hw, target, counts, results, processes=1, tuned="untuned"):
+    print(f"\nbench int8: {name}, batch {batch}, {hw}x{hw}; blockpad kernels for {target} "
+          f"({tuned}); {isolation(processes)}")
     rows = []
     for t in counts:
         r = {c: results[(c, t)] for c in (*INT8, "blockpad fp32")}

@@ -135,9 +135,12 @@ def _spawn(name, threads, paths, args) -> dict:
 
 # ---- the driver -------------------------------------------------------------------------------
 
-def prepare(name, batch, hw, seed, target, log=print, conv_algorithm="auto") -> dict:
+def prepare(name, batch, hw, seed, target, log=print, conv_algorithm="auto",
+            tuning_logs=None) -> dict:
     """Export the network to ONNX and build it with blockpad (both skipped when up to date);
-    ``conv_algorithm``: ``build_model``'s (``direct``: no Winograd, for comparison)."""
+    ``conv_algorithm``: ``build_model``'s (``direct``: no Winograd, for comparison);
+    ``tuning_logs``: ``blockpad tune``'s records to build with, into a folder of its own
+    (``_tuned``) so that the untuned build stays beside it."""
     from blockpad import models
     from blockpad.model_build import build_model
 
@@ -150,32 +153,42 @@ def prepare(name, batch, hw, seed, target, log=print, conv_algorithm="auto") -> 
     x_path = os.path.join(work, "x.npy")
     np.save(x_path, models.sample_input(batch, hw))
     model_dir = os.path.join(work, f"blockpad_{target}" +
-                             ("" if conv_algorithm == "auto" else f"_{conv_algorithm}"))
+                             ("" if conv_algorithm == "auto" else f"_{conv_algorithm}") +
+                             ("" if tuning_logs is None else "_tuned"))
     t0 = time.perf_counter()
-    build_model(onnx_path, target, model_dir, log=log, conv_algorithm=conv_algorithm)
+    build_model(onnx_path, target, model_dir, log=log, conv_algorithm=conv_algorithm,
+                tuning_logs=tuning_logs)
     log(f"blockpad build: {time.perf_counter() - t0:.1f} s")
     return {"work": work, "onnx": onnx_path, "input": x_path, "dir": model_dir}
 
 
 def main(model="resnet50", batch=1, hw=224, repeat=5, threads=None, target=None, seed=0,
-         conv_algorithm="auto", processes=1):
+         conv_algorithm="auto", processes=1, tuning_logs=None):
     from blockpad.runtime.tvm_runtime import default_threads
 
     target = target or native_target()
-    paths = prepare(model, batch, hw, seed, target, conv_algorithm=conv_algorithm)
+    paths = prepare(model, batch, hw, seed, target, conv_algorithm=conv_algorithm,
+                    tuning_logs=tuning_logs)
     cores = default_threads()
     counts = [threads] if threads else sorted({1, cores})
     args = argparse.Namespace(model=model, repeat=repeat, seed=seed)
     results = best_of_processes(lambda name, t: _spawn(name, t, paths, args), CONTENDERS,
                                 counts, processes)
-    _report(model, batch, hw, target, counts, results, conv_algorithm, processes)
+    _report(model, batch, hw, target, counts, results, conv_algorithm, processes,
+            tuned_by(tuning_logs))
 
 
-def _report(model, batch, hw, target, counts, results, conv_algorithm="auto", processes=1):
+def tuned_by(tuning_logs) -> str:
+    """What the report says of the kernels' schedules."""
+    return "untuned" if tuning_logs is None else f"tuned by the records in {tuning_logs}"
+
+
+def _report(model, batch, hw, target, counts, results, conv_algorithm="auto", processes=1,
+            tuned="untuned"):
     ref = next((np.load(r["y"]) for (n, _), r in results.items()
                 if n == "torch NCHW" and "y" in r), None)
     print(f"\nbenchmark: {model}, batch {batch}, {hw}x{hw}, fp32; blockpad kernels for {target} "
-          f"(convolutions: {conv_algorithm}); {isolation(processes)}")
+          f"(convolutions: {conv_algorithm}; {tuned}); {isolation(processes)}")
     rows = []
     for (name, t), r in results.items():
         if "error" in r:
