@@ -57,3 +57,25 @@ def test_hot_step_times_time_every_step_of_the_plan():
     hot, order = hot_step_times(g, inputs), step_times(g, inputs)
     assert set(hot) == set(order) and {"r1", "r2"} <= set(hot)
     assert all(v > 0 for v in hot.values())
+
+
+def test_bench_model_builds_the_tuned_model_beside_the_untuned_one(tmp_path, monkeypatch):
+    """``bench model --tuning-logs DIR`` reaches the build, which goes to a folder of its own."""
+    from blockpad import models
+    from blockpad.bench import model
+    from blockpad.cli import main
+
+    builds = []
+    monkeypatch.setattr(model, "OUT", str(tmp_path))
+    monkeypatch.setattr("blockpad.model_build.build_model",
+                        lambda src, target, out, **kw: builds.append((out, kw["tuning_logs"])))
+    monkeypatch.setattr(models, "export_onnx", lambda name, path, *a: open(path, "w").close())
+    untuned = model.prepare("resnet18", 1, 8, 0, "host", log=lambda m: None)
+    tuned = model.prepare("resnet18", 1, 8, 0, "host", log=lambda m: None, tuning_logs="/logs")
+    assert builds == [(untuned["dir"], None), (tuned["dir"], "/logs")]
+    assert tuned["dir"] == untuned["dir"] + "_tuned"
+
+    seen = {}
+    monkeypatch.setattr(model, "main", lambda *a, **kw: seen.update(kw))
+    main(["bench", "model", "--model", "resnet18", "--tuning-logs", "/logs"])
+    assert seen["tuning_logs"] == "/logs"
