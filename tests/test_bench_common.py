@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 from blockpad.bench import resnet
-from blockpad.bench.common import best_of_processes, isolation
+from blockpad.bench.common import best_of_processes, isolation, spread
 
 
 def test_best_of_processes_interleaves_rounds_and_keeps_each_fastest():
@@ -28,6 +28,10 @@ def test_best_of_processes_interleaves_rounds_and_keeps_each_fastest():
     assert {k: v["ms"] for k, v in got.items()} == {("a", 1): 3.0, ("b", 1): 2.0,
                                                     ("a", 2): 1.5, ("b", 2): 7.0}
     assert "best of 3 processes" in isolation(3) and "best of" not in isolation(1)
+    # every process's median is kept beside the best one's, failed ones left out
+    assert got[("a", 2)]["process_ms"] == [1.5, 2.5] and spread(got[("a", 2)]) == "1.50-2.50"
+    assert got[("b", 1)]["process_ms"] == [2.0, 6.0, 9.0]
+    assert spread({"ms": 1.0, "process_ms": [1.0]}) == ""
 
 
 def test_resnet_block_child_process_runs_the_graph(tmp_path):

@@ -26,7 +26,16 @@ import time
 
 import numpy as np
 
-from .common import best_of_processes, hot_step_times, interleaved_rounds, isolation, run_child, step_times, table
+from .common import (
+    best_of_processes,
+    hot_step_times,
+    interleaved_rounds,
+    isolation,
+    run_child,
+    spread,
+    step_times,
+    table,
+)
 
 MODELS = ("resnet50", "mobilenet_v2")
 INT8 = ("blockpad int8", "onnxruntime int8")
@@ -122,18 +131,19 @@ def _report(name, batch, hw, target, counts, results, processes=1, tuned="untune
         ref = np.load(r["onnxruntime int8"]["y"]) if "y" in r["onnxruntime int8"] else None
         for c, v in r.items():
             if "error" in v:
-                rows.append([c, t, "failed: " + v["error"][:70], "", "", ""])
+                rows.append([c, t, "failed: " + v["error"][:70], "", "", "", ""])
                 continue
             diff = "-"
             if ref is not None and c == "blockpad int8":
                 diff = f"{np.mean(np.load(v['y']) != ref):.1%}"
             ratio = {other: r[other]["ms"] / v["ms"] for other in r
                      if other != c and "ms" in r[other]}
-            rows.append([c, t, f"{v['ms']:.2f}", f"{v['ms_min']:.2f}",
+            rows.append([c, t, f"{v['ms']:.2f}", f"{v['ms_min']:.2f}", spread(v),
                          ", ".join(f"{k}: {x:.2f}x" for k, x in ratio.items())
                          if c == "blockpad int8" else "", diff])
     print(table(rows, ["contender", "threads", "ms (median)", "ms (fastest)",
-                       "blockpad int8 speed-up over", "logits != ORT int8"]))
+                       "processes' medians", "blockpad int8 speed-up over",
+                       "logits != ORT int8"]))
     slow = {k for t in counts for k in results[("blockpad int8", t)].get("fallbacks", {})}
     if slow:
         print(f"blockpad int8 ran {len(slow)} steps on numpy (no kernel): {sorted(slow)[:8]}")

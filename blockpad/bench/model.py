@@ -25,7 +25,16 @@ import numpy as np
 from blockpad.codegen.targets import native_target
 from blockpad.runtime.graph.execution import BIND_LABEL
 
-from .common import best_of_processes, hot_step_times, interleaved_rounds, isolation, run_child, step_times, table
+from .common import (
+    best_of_processes,
+    hot_step_times,
+    interleaved_rounds,
+    isolation,
+    run_child,
+    spread,
+    step_times,
+    table,
+)
 
 CONTENDERS = ("blockpad", "torch NCHW", "torch channels_last", "onnxruntime")
 OUT = os.path.join("build", "bench_model")
@@ -192,7 +201,7 @@ def _report(model, batch, hw, target, counts, results, conv_algorithm="auto", pr
     rows = []
     for (name, t), r in results.items():
         if "error" in r:
-            rows.append([name, t, "failed: " + r["error"][:60], "", "", "", ""])
+            rows.append([name, t, "failed: " + r["error"][:60], "", "", "", "", ""])
             continue
         err = "-"
         if ref is not None:
@@ -200,11 +209,12 @@ def _report(model, batch, hw, target, counts, results, conv_algorithm="auto", pr
             err = f"{np.abs(y - ref).max() / np.abs(ref).max():.1e}"
         best = min(v["ms"] for (n, tt), v in results.items()
                    if tt == t and n != "blockpad" and "ms" in v)
-        rows.append([name, t, f"{r['ms']:.2f}", f"{r['ms_min']:.2f}",
+        rows.append([name, t, f"{r['ms']:.2f}", f"{r['ms_min']:.2f}", spread(r),
                      f"{best / r['ms']:.2f}" if name == "blockpad" else "",
                      f"{r['peak_mib']:.0f}", err])
     print(table(rows, ["contender", "threads", "ms (median)", "ms (fastest)",
-                       "speed-up vs best other", "peak RSS MiB", "err / max|logit|"]))
+                       "processes' medians", "speed-up vs best other", "peak RSS MiB",
+                       "err / max|logit|"]))
     for t in counts:
         b = results.get(("blockpad", t), {})
         if "first_s" in b:
