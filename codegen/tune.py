@@ -112,9 +112,34 @@ def tune(spec, target="host", trials=16, out=None, rpc: Rpc | None = None, log=N
     kernels = [k for req in reqs for k in make_kernels(req)]
     kernels += _runtime_zero_pads(kernels)
     session = _Session(target, folder, rpc, log)
-    with _interruptible():
-        return [session.tune(k, f"[{i}/{len(kernels)}] {k.name}", trials)
-                for i, k in enumerate(kernels, 1)]
+    try:
+        with _interruptible():
+            return [session.tune(k, f"[{i}/{len(kernels)}] {k.name}", trials)
+                    for i, k in enumerate(kernels, 1)]
+    except KeyboardInterrupt:
+        _ignore_orphaned_pools()
+        raise
+    finally:
+        session.close()
+
+
+def _ignore_orphaned_pools():
+    """After an interrupt: MetaSchedule's builder makes a process pool per batch and shuts it
+    down at the batch's end; a batch cut short leaves the pool to its threads, and the last one
+    to finish drops the last reference, so ``PopenPoolExecutor.__del__`` runs in that thread:
+    it kills the pool's worker processes, then fails to join its own thread, and Python printed
+    "Exception ignored ... RuntimeError: cannot join current thread" after blockpad's own
+    "interrupted" line. Only that error, from that method, is dropped; the workers are gone by
+    then."""
+    default = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, RuntimeError) and \
+                "cannot join current thread" in str(unraisable.exc_value) and \
+                getattr(unraisable.object, "__qualname__", "") == "PopenPoolExecutor.__del__":
+            return
+        default(unraisable)
+    sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
@@ -161,6 +186,13 @@ class _Session:
         self._workers = None
         # build and run errors, per kernel: kept out of the (committed) logs folder
         self.error_dir = Path(tempfile.gettempdir()) / "blockpad-tune" / target.name
+
+    def close(self):
+        """Shut the runner's process pool down now (MetaSchedule asks for it explicitly: its
+        ``__del__`` may run in one of the pool's threads)."""
+        pool = getattr(self._workers[1], "pool", None) if self._workers else None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def workers(self):
         """MetaSchedule's builder and runner, made on first use (each starts a worker process
