@@ -247,6 +247,13 @@ def test_an_interrupt_drops_only_the_orphaned_pools_join_error(monkeypatch):
     assert seen == [other, elsewhere]
 
 
+def test_a_long_tune_run_says_how_long_the_rest_will_take():
+    assert tn.progress_label(1, 258, "k000", 0.0) == "[1/258] k000"
+    assert tn.progress_label(2, 7, "mm", 5.0) == "[2/7] mm"   # short runs: as before
+    assert tn.progress_label(11, 258, "k010", 60.0) == \
+        "[11/258, 60 s so far, about 25 min left] k010"
+
+
 def test_a_build_without_records_says_so_once():
     """A model of 46 kernels and no logs for its target printed 46 identical lines."""
     from blockpad.codegen.build import _log_tuning
