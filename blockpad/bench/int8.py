@@ -119,12 +119,14 @@ def main(models=MODELS, batch=1, hw=224, repeat=5, threads=None, target=None, se
             return fp32._spawn("blockpad", t, paths, args) if c == "blockpad fp32" else \
                 _spawn(c, t, paths, args)
         results = best_of_processes(spawn, (*INT8, "blockpad fp32"), counts, processes)
-        _report(name, batch, hw, target, counts, results, processes, fp32.tuned_by(tuning_logs))
+        _report(name, batch, hw, target, counts, results, processes, tuning_logs)
 
 
-def _report(name, batch, hw, target, counts, results, processes=1, tuned="untuned"):
+def _report(name, batch, hw, target, counts, results, processes=1, tuning_logs=None):
+    from .model import tuned_by
+
     print(f"\nbench int8: {name}, batch {batch}, {hw}x{hw}; blockpad kernels for {target} "
-          f"({tuned}); {isolation(processes)}")
+          f"({tuned_by(tuning_logs)}); {isolation(processes)}")
     rows = []
     for t in counts:
         r = {c: results[(c, t)] for c in (*INT8, "blockpad fp32")}

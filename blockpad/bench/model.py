@@ -183,8 +183,7 @@ def main(model="resnet50", batch=1, hw=224, repeat=5, threads=None, target=None,
     args = argparse.Namespace(model=model, repeat=repeat, seed=seed)
     results = best_of_processes(lambda name, t: _spawn(name, t, paths, args), CONTENDERS,
                                 counts, processes)
-    _report(model, batch, hw, target, counts, results, conv_algorithm, processes,
-            tuned_by(tuning_logs))
+    _report(model, batch, hw, target, counts, results, conv_algorithm, processes, tuning_logs)
 
 
 def tuned_by(tuning_logs) -> str:
@@ -193,11 +192,11 @@ def tuned_by(tuning_logs) -> str:
 
 
 def _report(model, batch, hw, target, counts, results, conv_algorithm="auto", processes=1,
-            tuned="untuned"):
+            tuning_logs=None):
     ref = next((np.load(r["y"]) for (n, _), r in results.items()
                 if n == "torch NCHW" and "y" in r), None)
     print(f"\nbenchmark: {model}, batch {batch}, {hw}x{hw}, fp32; blockpad kernels for {target} "
-          f"(convolutions: {conv_algorithm}; {tuned}); {isolation(processes)}")
+          f"(convolutions: {conv_algorithm}; {tuned_by(tuning_logs)}); {isolation(processes)}")
     rows = []
     for (name, t), r in results.items():
         if "error" in r:
@@ -233,7 +232,8 @@ def _report(model, batch, hw, target, counts, results, conv_algorithm="auto", pr
     if runs:
         _breakdown(runs)
     b = results.get(("blockpad", counts[0]), {})
-    _plot(model, batch, hw, target, counts, results, b.get("steps"), b.get("ops", {}))
+    _plot(model, batch, hw, target, counts, results, b.get("steps"), b.get("ops", {}),
+          tuning_logs is not None)
 
 
 def _op_of(label, ops):
@@ -282,7 +282,7 @@ def _breakdown(runs: dict):
         print(f"fallbacks: {b['fallbacks']}")
 
 
-def _plot(model, batch, hw, target, counts, results, steps, ops):
+def _plot(model, batch, hw, target, counts, results, steps, ops, tuned=False):
     try:
         import matplotlib
 
@@ -300,7 +300,8 @@ def _plot(model, batch, hw, target, counts, results, steps, ops):
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(counts))])
     ax.set_xticklabels([f"{t} thread(s)" for t in counts])
     ax.set_ylabel("ms per inference (lower is better)")
-    ax.set_title(f"{model}, batch {batch}, {hw}x{hw} (blockpad: {target})")
+    ax.set_title(f"{model}, batch {batch}, {hw}x{hw} (blockpad: {target}, "
+                 f"{'tuned' if tuned else 'untuned'})")
     ax.legend()
     if steps:
         items = sorted(_by_op(steps, ops).items(), key=lambda kv: -kv[1][0])
@@ -309,7 +310,7 @@ def _plot(model, batch, hw, target, counts, results, steps, ops):
         axes[1].set_xlabel(f"ms at {counts[0]} thread(s)")
         axes[1].set_title("blockpad's time by op")
     fig.tight_layout()
-    path = os.path.join(OUT, f"bench_model_{model}.png")
+    path = os.path.join(OUT, f"bench_model_{model}{'_tuned' if tuned else ''}.png")
     fig.savefig(path, dpi=110)
     print(f"\nplot: {path}")
 
