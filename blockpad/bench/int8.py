@@ -95,8 +95,8 @@ def prepare(name, batch, hw, seed, target, log=print, tuning_logs=None) -> dict:
         log(f"quantizing {paths['onnx']} (QDQ, calibrated on random inputs)")
         onnx.save(quantized.quantize(onnx.load(paths["onnx"]), "qdq", seed=seed), int8)
     t0 = time.perf_counter()
-    int8_dir = os.path.join(paths["work"], f"blockpad_int8_{target}" +
-                            ("" if tuning_logs is None else "_tuned"))
+    int8_dir = os.path.join(paths["work"],
+                            f"blockpad_int8_{target}{model.tuned_suffix(tuning_logs)}")
     build_model(int8, target, int8_dir, log=log, tuning_logs=tuning_logs)
     log(f"blockpad int8 build: {time.perf_counter() - t0:.1f} s")
     return {**paths, "int8": int8, "int8_dir": int8_dir}

@@ -163,7 +163,7 @@ def prepare(name, batch, hw, seed, target, log=print, conv_algorithm="auto",
     np.save(x_path, models.sample_input(batch, hw))
     model_dir = os.path.join(work, f"blockpad_{target}" +
                              ("" if conv_algorithm == "auto" else f"_{conv_algorithm}") +
-                             ("" if tuning_logs is None else "_tuned"))
+                             tuned_suffix(tuning_logs))
     t0 = time.perf_counter()
     build_model(onnx_path, target, model_dir, log=log, conv_algorithm=conv_algorithm,
                 tuning_logs=tuning_logs)
@@ -189,6 +189,11 @@ def main(model="resnet50", batch=1, hw=224, repeat=5, threads=None, target=None,
 def tuned_by(tuning_logs) -> str:
     """What the report says of the kernels' schedules."""
     return "untuned" if tuning_logs is None else f"tuned by the records in {tuning_logs}"
+
+
+def tuned_suffix(tuning_logs) -> str:
+    """What a tuned build's folder and plot add to the untuned one's name, so both stay."""
+    return "" if tuning_logs is None else "_tuned"
 
 
 def _report(model, batch, hw, target, counts, results, conv_algorithm="auto", processes=1,
@@ -233,7 +238,7 @@ def _report(model, batch, hw, target, counts, results, conv_algorithm="auto", pr
         _breakdown(runs)
     b = results.get(("blockpad", counts[0]), {})
     _plot(model, batch, hw, target, counts, results, b.get("steps"), b.get("ops", {}),
-          tuning_logs is not None)
+          tuning_logs)
 
 
 def _op_of(label, ops):
@@ -282,7 +287,7 @@ def _breakdown(runs: dict):
         print(f"fallbacks: {b['fallbacks']}")
 
 
-def _plot(model, batch, hw, target, counts, results, steps, ops, tuned=False):
+def _plot(model, batch, hw, target, counts, results, steps, ops, tuning_logs=None):
     try:
         import matplotlib
 
@@ -301,7 +306,7 @@ def _plot(model, batch, hw, target, counts, results, steps, ops, tuned=False):
     ax.set_xticklabels([f"{t} thread(s)" for t in counts])
     ax.set_ylabel("ms per inference (lower is better)")
     ax.set_title(f"{model}, batch {batch}, {hw}x{hw} (blockpad: {target}, "
-                 f"{'tuned' if tuned else 'untuned'})")
+                 f"{'untuned' if tuning_logs is None else 'tuned'})")
     ax.legend()
     if steps:
         items = sorted(_by_op(steps, ops).items(), key=lambda kv: -kv[1][0])
@@ -310,7 +315,7 @@ def _plot(model, batch, hw, target, counts, results, steps, ops, tuned=False):
         axes[1].set_xlabel(f"ms at {counts[0]} thread(s)")
         axes[1].set_title("blockpad's time by op")
     fig.tight_layout()
-    path = os.path.join(OUT, f"bench_model_{model}{'_tuned' if tuned else ''}.png")
+    path = os.path.join(OUT, f"bench_model_{model}{tuned_suffix(tuning_logs)}.png")
     fig.savefig(path, dpi=110)
     print(f"\nplot: {path}")
 
