@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="bench model, layers: the network (resnet18, "
                    "resnet50 (default), resnet50_pruned, mobilenet_v2, efficientnet_b0, "
                    "densenet121); bench int8: resnet50 or mobilenet_v2 (default: both)")
+    p.add_argument("--int8", action="store_true", help="bench layers: the network's quantized "
+                   "(QDQ) form, blockpad's int8 build against ONNX Runtime's int8 nodes "
+                   "(as bench int8 quantizes it)")
     p.add_argument("--batch", type=int, default=1, help="bench model: batch size")
     p.add_argument("--hw", type=int, default=224, help="bench model: image height and width")
     p.add_argument("--conv-algorithm", choices=["auto", "direct"], default="auto",
@@ -258,7 +261,8 @@ def _bench(args):
     if args.what == "layers":   # a network layer by layer against ONNX Runtime, 1 thread
         from .bench import layers
 
-        layers.main(args.model or "resnet50", rounds=args.repeat, target=args.target)
+        layers.main(args.model or "resnet50", rounds=args.repeat, target=args.target,
+                    int8=args.int8)
         return
     if args.what == "int8":   # int8 networks: blockpad, ONNX Runtime int8, blockpad fp32
         from .bench import int8

@@ -50,6 +50,37 @@ def test_onnx_runtime_nodes_map_to_the_steps_that_compute_them(rng):
     assert lookup("ReorderOutput") is None and lookup("x_nchwc") is None
 
 
+def test_quantized_nodes_map_to_the_step_their_output_flows_into():
+    """A QDQ convolution (DequantizeLinear -> Conv -> Relu -> QuantizeLinear) is one QLinearConv
+    in ONNX Runtime, named ``<conv>_token_<n>``, and one blockpad step named after the
+    QuantizeLinear: the conv goes forward to it, not back to the step that produced its
+    input."""
+    def dq(x, y, name):
+        return helper.make_node("DequantizeLinear", [x, "s", "z"], [y], name=name)
+
+    def q(x, y, name):
+        return helper.make_node("QuantizeLinear", [x, "s", "z"], [y], name=name)
+
+    nodes = [q("x", "xq", "x_q"), dq("xq", "xd", "x_dq"), dq("wq", "wd", "w_dq"),
+             helper.make_node("Conv", ["xd", "wd"], ["c"], name="conv"),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"), q("r", "rq", "r_q"),
+             dq("rq", "rd", "r_dq"), helper.make_node("Add", ["rd", "xd"], ["s1"], name="add"),
+             q("s1", "y", "y_q"), dq("y", "yd", "y_dq"),
+             helper.make_node("MaxPool", ["yd"], ["p"], name="pool", kernel_shape=[2, 2]),
+             q("p", "pq", "p_q"), dq("pq", "pd", "p_dq"), dq("pq", "pd2", "p_dq2")]
+    g = helper.make_graph(nodes, "qdq", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, SHAPE)], [helper.make_tensor_value_info(
+            "y", TensorProto.UINT8, SHAPE)])
+    lookup = layers.ort_to_steps(helper.make_model(g), [["r_q", "y_q"]],
+                                 ["x_q", "r_q", "p_uint8"])
+    assert lookup("conv_token_3") == "r_q"     # not x_q, the step before it
+    assert lookup("add") == "r_q"              # the sum blockpad fused into the convolution
+    # a max pool on quantized data: blockpad's step is named after its output and type; its
+    # QuantizeLinear feeds two consumers, where the walk forward stops
+    assert lookup("pool_token_9") == "p_uint8"
+    assert lookup("x_q") == "x_q" and lookup("Transpose") is None
+
+
 def test_a_block_compared_layer_by_layer(tmp_path, rng, capsys):
     from blockpad.model_build import build_model
 

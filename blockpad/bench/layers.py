@@ -14,14 +14,19 @@ model's node that produced that tensor is found, and blockpad's step that runs t
 own step, or the fused step that took it in: ``Plan.fused``); a node blockpad folded away (a
 batch norm into its convolution) goes to the step of its input's producer. ONNX Runtime's own
 layout changes (``ReorderInput``/``ReorderOutput``) have no blockpad node: they are listed
-apart. Found this way (2026-11-28, Cascade Lake): ResNet-50's residual convolutions paid for
-their separate sum and destination, and the strided 1x1 downsamples for their strided reads
+apart. A quantized (QDQ) model's nodes are ONNX Runtime's fusions of a source node with the
+DequantizeLinear / QuantizeLinear around it, named after that node with ``_token_<n>``
+appended (``/conv1/Conv_token_1``: a QLinearConv); blockpad names its int8 steps after the
+QuantizeLinear that closes them, so such a node goes to the step its output flows into
+(``--int8``). Found this way (2026-11-28, Cascade Lake): ResNet-50's residual convolutions paid
+for their separate sum and destination, and the strided 1x1 downsamples for their strided reads
 (docs/performance.md)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -31,6 +36,7 @@ import numpy as np
 from .common import step_calls, table
 
 NCHWC = "_nchwc"
+QDQ_FUSED = re.compile(r"_token_\d+$")   # ONNX Runtime's name for a node its QDQ fusion made
 
 
 def ort_to_steps(source, fused: list, steps: list) -> callable:
@@ -38,6 +44,10 @@ def ort_to_steps(source, fused: list, steps: list) -> callable:
     node computes it). ``source``: the ONNX model (a ModelProto) both ran; ``fused``: the
     plan's fused groups (lists of node names), ``steps``: the plan's step labels."""
     producer = {out: n for n in source.graph.node for out in n.output}
+    consumers: dict = {}
+    for n in source.graph.node:
+        for name in n.input:
+            consumers.setdefault(name, []).append(n)
     names = {n.name: n for n in source.graph.node}
     labels = set(steps)
     step_of = {name: name for name in labels}
@@ -46,15 +56,41 @@ def ort_to_steps(source, fused: list, steps: list) -> callable:
         if label is not None:
             step_of.update(dict.fromkeys(group, label))
 
+    def step(node):
+        """The node's step: its own, or the one blockpad named after its output and the 8-bit
+        type it pools (a max pool on quantized data: ``<output>_uint8``, blockpad/onnx.py)."""
+        if node.name in step_of:
+            return step_of[node.name]
+        return next((step_of[f"{node.output[0]}_{dt}"] for dt in ("uint8", "int8")
+                     if node.output and f"{node.output[0]}_{dt}" in step_of), None)
+
+    def downstream(node):
+        """The step the node's output flows into through nodes of one consumer each (a QDQ
+        convolution: Conv -> Relu -> QuantizeLinear, the last one blockpad's step)."""
+        for _ in range(4):
+            after = consumers.get(node.output[0], []) if node.output else []
+            if len(after) != 1:
+                return None
+            node = after[0]
+            found = step(node)
+            if found is not None:
+                return found
+        return None
+
     def lookup(ort_name: str):
+        ort_name = QDQ_FUSED.sub("", ort_name)
         node = producer.get(ort_name[:-len(NCHWC)]) if ort_name.endswith(NCHWC) \
             else names.get(ort_name)
+        if node is None:
+            return None
+        found = step(node) or downstream(node)
+        if found is not None:
+            return found
         for _ in range(8):   # a folded node (batch norm): its input's producer's step
-            if node is None:
-                return None
-            if node.name in step_of:
-                return step_of[node.name]
             node = producer.get(node.input[0]) if node.input else None
+            found = None if node is None else step(node)
+            if node is None or found is not None:
+                return found
         return None
     return lookup
 
@@ -126,18 +162,31 @@ def report(name: str, result: dict, top: int = 12) -> None:
     print(f"\nwhere blockpad loses most (ms behind): {behind or 'nowhere'}")
     t = result["totals"]
     only = result["ort_only"]
+    unmatched = ", ".join(f"{name} {ms:.3f}" for name, ms in
+                          sorted(only.items(), key=lambda kv: -kv[1])[:6])
     print(f"matched layers: blockpad {sum(b for _, b, _ in both):.2f} ms, ONNX Runtime "
-          f"{sum(o for _, _, o in both):.2f} ms; ONNX Runtime's own nodes ({len(only)}, its "
-          f"reorders): {sum(only.values()):.2f} ms; whole runs (profiler on for ONNX "
+          f"{sum(o for _, _, o in both):.2f} ms; ONNX Runtime's nodes no blockpad step matches "
+          f"({len(only)}: its reorders, or ops blockpad renamed): {sum(only.values()):.2f} ms"
+          f"{f' ({unmatched})' if unmatched else ''}; whole runs (profiler on for ONNX "
           f"Runtime): blockpad {t['blockpad']:.2f} ms, ONNX Runtime {t['onnxruntime']:.2f} ms")
 
 
-def main(model="resnet50", rounds=10, target=None, seed=0):
+def main(model="resnet50", rounds=10, target=None, seed=0, int8=False):
+    """``int8``: the network's quantized QDQ form (``bench int8``'s), blockpad's int8 build
+    against ONNX Runtime's QLinearConv / QLinearAdd nodes."""
     from blockpad.codegen.targets import native_target
 
+    from . import int8 as quantized
     from .common import quiet_thread_pools
     from .model import prepare
 
     quiet_thread_pools(1)    # before TVM's pool starts: both runtimes at 1 thread
-    paths = prepare(model, 1, 224, seed, target or native_target())
-    report(model, compare(paths["onnx"], paths["dir"], np.load(paths["input"]), rounds))
+    target = target or native_target()
+    if int8:
+        paths = quantized.prepare(model, 1, 224, seed, target)
+        onnx_path, built, name = paths["int8"], paths["int8_dir"], f"{model} int8 (QDQ)"
+    else:
+        paths = prepare(model, 1, 224, seed, target)
+        onnx_path, built, name = paths["onnx"], paths["dir"], model
+    x = np.load(paths["input"])
+    report(name, compare(onnx_path, built, x, rounds))
