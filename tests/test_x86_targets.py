@@ -33,6 +33,10 @@ HAVE_VNNI = "avx512_vnni" in machine.cpu_features()
 HAVE_AMX = {"amx_tile", "amx_int8", "amx_bf16"} <= machine.cpu_features()
 NO_VNNI = "this CPU has no avx512_vnni: vpdpbusd cannot execute here"
 
+LARGE_WEIGHTS = {"name": "conv_u8_large", "op": "conv2d", "dtype": "uint8",
+                 "shape": [1, 512, 2, 7], "channels": 1024, "kernel": [1, 1],
+                 "src": "nChw16c", "weights": "OIhw4i16o4i", "dst": "nChw16c",
+                 "post_ops": [{"kind": "bias"}]}
 # int8 with channel tails (C=20, K=24 pad to 32), spatial padding read through a guard and from
 # a pre-padded halo, s8 and u8 sources, odd rows (M=19), blocked and plain destinations
 VNNI_SPEC = {"library": {"name": "test-vnni"}, "kernel": [
@@ -64,6 +68,9 @@ VNNI_SPEC = {"library": {"name": "test-vnni"}, "kernel": [
      "src": "ab", "weights": "BA16b4a", "dst": "ab"},
     {"name": "mm_u8_odd_stage", "op": "matmul", "dtype": "uint8", "shape": [5, 30], "n": 30,
      "src": "ab", "weights": "BA16b4a", "dst": "aB16b", "policy": "dst_stage"},
+    # 512 KiB of weights: read panel by panel, each tile prefetching the next panel's
+    # (dot_tiled.prefetch_next_panel)
+    LARGE_WEIGHTS,
     # not tensorized (fp32, bf16: RegisterTiled): zmm FMAs along the 16-channel block; bf16
     # with channel tails, spatial padding, bias and relu in fp32
     {"name": "conv_f32", "op": "conv2d", "dtype": "float32", "shape": [1, 16, 4, 6],
@@ -77,7 +84,7 @@ VNNI_SPEC = {"library": {"name": "test-vnni"}, "kernel": [
      "src": "ab", "weights": "BA16b2a", "dst": "ab"},
 ]}
 VNNI_INT8 = ("conv_s8_pad", "conv_s8_halo", "conv_u8_bias_relu", "mm_u8", "mm_s8_rows19",
-             "conv_s8_stage", "conv_s8_masked", "mm_s8_odd", "mm_u8_odd_stage")
+             "conv_s8_stage", "conv_s8_masked", "mm_s8_odd", "mm_u8_odd_stage", "conv_u8_large")
 
 # AMX: rows and columns multiples of 16, K a multiple of 64 (int8) / 32 (bf16); the nChw16c
 # convolution (16 channels a row, not 64) is left to vpdpbusd in the same library
@@ -209,6 +216,10 @@ def test_vnni_int8_kernels_are_tensorized_to_vpdpbusd(vnni_dir):
         assert dots and all("zmm" in l for l in dots), f"{name}: no zmm vpdpbusd"
         # VNNI keeps its instruction: not the vpmaddubsw + vpmaddwd sequence of CPUs without it
         assert not _has(code, "vpmaddubsw"), name
+    # weights of 512 KiB and more prefetch the next panel into L2, the others nothing
+    for name in VNNI_INT8:
+        fetches = _has(kernel_instructions(funcs, name), "prefetcht1")
+        assert fetches == (name == LARGE_WEIGHTS["name"]), name
     # 6 rows x 32 columns is one register tile of 6 x 2 vectors: each broadcast source
     # dword feeds two vpdpbusd
     _, m = isa.hot_loop(funcs, "mm_u8", "x86_64")
@@ -268,6 +279,10 @@ AWKWARD_CONVS = [
      "groups": 2, "src": "nChw16c", "weights": "gOIhw4i16o4i", "dst": "nChw16c"},
     {"dtype": "uint8", "shape": [1, 64, 3, 17], "channels": 16, "kernel": [2, 2], "pad": [1, 0],
      "src": "nhwc", "weights": "OIhw16i16o4i", "dst": "nChw16c"},
+    # weights of 576 KiB, read panel by panel with the next one prefetched: 8 panels of 2
+    # column blocks, the taps and channel blocks the reduction's loops
+    {"dtype": "int8", "shape": [1, 256, 3, 5], "channels": 256, "kernel": [3, 3], "pad": [1, 1],
+     "src": "nChw16c", "weights": "OIhw4i16o4i", "dst": "nChw16c"},
 ]
 
 
