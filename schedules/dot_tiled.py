@@ -45,7 +45,8 @@ What makes a nest awkward, and how it is still tensorized:
 
 Weights of ``PREFETCH_BYTES`` or more (``prefetch`` rules: ``vpdpbusd``'s) come from memory
 on every inference: the panels of column blocks go outermost and each tile prefetches into L2
-its share of the next panel's weights, a line per reduction step (``prefetch_next_panel``).
+its share of the next panel's weights, spread over its reduction (``prefetch_next_panel``,
+which the Winograd GEMM uses too).
 
 Anything else returns None and the next rule in the target's table tries.
 The rewrites themselves, and ``DotShape`` (the nest read as ``j``, ``r``, ``t``, ``u``), are in
@@ -136,7 +137,9 @@ class DotTiled(ScheduleRule):
         if streamed:
             loops = sch.get_loops(update)   # the task's loop, the reduction's, the tile's 3-4
             steps = [sch.get(l) for l in loops[1:len(loops) - 3 - (blocks > 1)]]
-            ahead.append((sch.get(outer), nest.wei.source, blocks,
+            weights = nest.wei.source
+            ahead.append((sch.get(outer), weights,
+                          _nbytes(weights) // (int(weights.shape[0]) // blocks),
                           [(f.loop_var, int(f.extent)) for f in steps]))
         for loop in sch.get_loops(update)[-2 - (blocks > 1) - 1:-2]:   # rows, column vectors
             sch.unroll(loop)
@@ -242,48 +245,49 @@ def _panels_lead_weights(nest) -> bool:
     return walks[0] and not any(walks[1:])
 
 
-def prefetch_next_panel(sch, task, weights, blocks, steps):
-    """``sch`` with each task (one register tile: the ``For`` ``task``, its panel of ``blocks``
-    column blocks outermost) prefetching into L2 its share of the next panel's weights, one
-    64-byte line per reduction step (``steps``: the reduction loops' vars and extents) over
-    its first steps. Weights this large come from memory on every inference, and a
+def prefetch_next_panel(sch, task, weights, panel, steps):
+    """``sch`` with each task (one register tile: the ``For`` ``task``, whose tasks walk the
+    weights a panel of ``panel`` contiguous bytes after another, as many tasks a panel)
+    prefetching into L2 its share of the next panel's weights, spread over its reduction
+    (``steps``: the reduction loops' vars and extents, outermost first): at the deepest of
+    those loops that runs no more often than there are lines to fetch, a few lines an
+    iteration. Weights this large come from memory on every inference, and a
     panel's tiles all read them at once at its first: the hardware prefetcher, which starts
     on misses, follows too late. Spread over the tiles and their steps, the next panel
     arrives while this one computes; all at a tile's start (a loop of 330 prefetches before
     a layer4 3x3's tile), the prefetches held the tile up: those 3x3s went 0.61 -> 0.74 ms.
     int8 ResNet-50 on Zen 4 (zen4, whole inferences alternating with the same build without
-    it, logits identical): 0.966-0.980x at 1 thread, 0.974-0.986x at 2; layer4's steps 4.62 ->
-    4.22 ms in the network's order. Panels outermost alone changed nothing.
+    it, logits identical): 0.974-0.984x at 1 thread, 0.971-0.978x at 2 (with a branch that
+    stopped at the share instead: 0.966-0.980x, and layer4's steps 4.62 -> 4.22 ms in the
+    network's order). Panels outermost alone changed nothing.
     Unchanged where the tiles of one panel are fewer than 2."""
     var, tasks = task.loop_var, int(task.extent)
-    shape = [int(n) for n in weights.shape]
     item = tvm_ffi.dtype(str(weights.dtype)).itemsize
-    panel = blocks * math.prod(shape[1:]) * item           # bytes
-    panels = shape[0] // blocks
-    if not steps or tasks % panels or tasks // panels < 2:
+    total = _nbytes(weights)
+    panels = total // panel
+    if not steps or total % panel or tasks % panels or tasks // panels < 2:
         return sch
     per_panel = tasks // panels
     lines = -(-panel // LINE // per_panel)                  # a task's share of the next panel
+    depth = max(d for d in range(1, len(steps) + 1)
+                if d == 1 or math.prod(n for _, n in steps[:d]) <= lines)
+    steps = steps[:depth]
+    per_step = -(-lines // math.prod(n for _, n in steps))
     p, t = tirx.floordiv(var, per_panel), tirx.floormod(var, per_panel)
     step = 0
     for v, n in steps:
         step = step * n + v
     k = tirx.Var("k", "int32")
-    per_step = -(-lines // math.prod(n for _, n in steps))
-    line = step * per_step + k
-    at = (t * lines + line) * LINE                          # bytes into the next panel
-    fetch = tirx.call_llvm_intrin(
-        "void", "llvm.prefetch.p0",
-        weights.access_ptr("r", offset=tirx.floordiv((p + 1) * panel + at, item)),
-        tirx.const(0, "int32"), tirx.const(L2_LOCALITY, "int32"), tirx.const(1, "int32"))
-    cond = tirx.And(p + 1 < panels, tirx.And(line < lines, at < panel))
-    if per_step > 1:
-        pre = tirx.For(k, 0, per_step, tirx.ForKind.SERIAL,
-                       tirx.IfThenElse(cond, tirx.Evaluate(fetch), None))
-    else:
-        zero = {k: tirx.const(0, "int32")}
-        pre = tirx.IfThenElse(substitute(cond, zero), tirx.Evaluate(substitute(fetch, zero)),
-                              None)
+    # no branch: one on the reduction loops makes TVM's loop partitioning copy their bodies
+    # (a Winograd GEMM's build took 7x as long). The last iterations run past the share (less
+    # than an iteration's worth a step, into the next task's), the last panel's tasks fetch the
+    # weights' last line
+    at = tirx.min((p + 1) * panel + (t * lines + step * per_step + k) * LINE, total - LINE)
+    fetch = tirx.Evaluate(tirx.call_llvm_intrin(
+        "void", "llvm.prefetch.p0", weights.access_ptr("r", offset=tirx.floordiv(at, item)),
+        tirx.const(0, "int32"), tirx.const(L2_LOCALITY, "int32"), tirx.const(1, "int32")))
+    pre = tirx.For(k, 0, per_step, tirx.ForKind.UNROLLED, fetch) if per_step > 1 else \
+        substitute(fetch, {k: tirx.const(0, "int32")})
     innermost = steps[-1][0]
 
     def visit(f):

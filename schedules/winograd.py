@@ -21,6 +21,9 @@ Where the weights fit in L2 beside them, the three stages run a band of tile row
 instead of passing through memory (the early, wide layers: their scratch is megabytes, their
 weights a few hundred KB). A GEMM cut in two (``tile_edges.panel_parts``) runs unbanded.
 
+Where the weights are too large for bands (``PREFETCH_BYTES`` or more), each GEMM task
+prefetches its share of the next panel's weights (``dot_tiled.prefetch_next_panel``; x86).
+
 Rows past the last tile are computed whole (``tile_edges.whole_tiles``: clamped rows), so the
 GEMM's hot loop has no predicate. The rule reads the nest's facts from the func's
 ``blockpad.winograd`` attribute (the tile, the destination's h, w and channel-block dims);
@@ -29,19 +32,23 @@ a func without it is not this rule's.
 
 from __future__ import annotations
 
+import math
+
+import tvm_ffi
 from tvm import s_tir
 
 from . import register_tiled, tile_edges
-from .common import op_of, vector_lanes
+from .common import REDUCE, op_of, vector_lanes
 from .dot_rewrites import set_predicate, take_predicate
-from .dot_tiled import _realize
+from .dot_tiled import PREFETCH_BYTES, _nbytes, _realize, prefetch_next_panel
 from .generic import root_blocks, spatial_parallel_vectorize
-from .nest import substitute
+from .nest import substitute, uses
 from .rule import ScheduleRule, distinct
 from .vector_math import vector_math
 
 ATTR = "blockpad.winograd"
 STAGES = ("wino_dt", "wino_v", "wino_acc", "wino_m", "wino_t", "dst")
+SERIAL_LOOP = 0   # tirx.ForKind.SERIAL: the rolled reduction loop (not its unrolled steps)
 PANEL = 3   # the GEMM's panel dim, counted from the last (eps, nu, panel, tile, column)
 
 
@@ -104,7 +111,32 @@ def _schedule(func, target, cfg, facts):
             spatial_parallel_vectorize(sch, block, target)
     except s_tir.ScheduleError:
         return None
+    if band is None and len(parts) == 1 and target.arch == "x86_64":   # measured there only
+        return _prefetch_weights(sch, cfg)
     return sch
+
+
+def _prefetch_weights(sch, cfg):
+    """An unbanded GEMM whose transformed weights (``hwOi16o``: positions, then panels of
+    ``cfg.mu`` output-channel blocks over every input channel) reach ``PREFETCH_BYTES``: each
+    task prefetches its share of the next panel (``dot_tiled.prefetch_next_panel``). Its tasks
+    walk the positions, their panels, then the tiles, so the panels come one after another
+    in memory. ResNet-50 (fp32, zen4, whole inferences alternating with the build without it,
+    logits identical): 0.979x / 0.985x at 1 thread, 0.982x at 2; the channel-pruned ResNet-50
+    0.984x / 0.986x at 1 thread, 0.972x / 0.988x at 2."""
+    weights = sch.mod["main"].params[1]
+    if len(weights.shape) != 5 or _nbytes(weights) < PREFETCH_BYTES:   # not hwOi16o's
+        return sch
+    update = sch.get_sblock("wino_acc_update")
+    block = sch.get(update)
+    reduced = [x for iv, x in zip(block.iter_vars, _realize(sch, update).iter_values)
+               if int(iv.iter_type) == REDUCE]
+    fors = [sch.get(l) for l in sch.get_loops(update)]
+    steps = [(f.loop_var, int(f.extent)) for f in fors[1:]
+             if int(f.kind) == SERIAL_LOOP and any(uses(x, f.loop_var) for x in reduced)]
+    panel = cfg.mu * math.prod(int(n) for n in weights.shape[-2:]) * \
+        tvm_ffi.dtype(str(weights.dtype)).itemsize
+    return prefetch_next_panel(sch, fors[0], weights, panel, steps)
 
 
 def _band_rows(func, facts) -> int:
