@@ -6,7 +6,7 @@
 //   S: the previous tile's epilogue after this tile's dot products (pipelined, in sequence)
 //   B: the previous tile's epilogue interleaved, one output vector per dot-product step
 // S and B must write what A writes ("same 1"). docs/performance.md, "Layer by layer against
-// ONNX Runtime, and what holds the int8 1x1s", has the figures and what they say.
+// ONNX Runtime, weights a panel ahead, what holds the int8 1x1s", has the figures.
 // Build and run on an AVX-512 VNNI machine:
 //   gcc -O3 -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mtune=znver3 int8_epilogue.c -o e && ./e 400
 #include <immintrin.h>
@@ -33,15 +33,18 @@ static inline __m512i dp(__m512i a, __m512i b, __m512i c) { return _mm512_dpbusd
   q_ = _mm512_add_ps(_mm512_min_ps(_mm512_max_ps(q_, vlo2), vhi2), vM); \
   _mm_storeu_si128((__m128i*)(dst + ((size_t)(pb*2+o)*P + (px))*16), _mm512_cvtepi32_epi8(_mm512_castps_si512(q_))); \
 } while (0)
+// a panel of 2 output blocks: their scales, biases and weights
+#define PANEL \
+  __m512 sv[2]; __m512i bv[2]; \
+  for (int o = 0; o < 2; o++) { sv[o] = _mm512_loadu_ps(scale + (pb*2+o)*16); bv[o] = _mm512_loadu_si512(bias + (pb*2+o)*16); } \
+  const int8_t *w0 = w + (size_t)(pb*2)*1024, *w1 = w0 + 1024;
 #define CONSTS \
   const __m512 vlo = _mm512_set1_ps(zlo), vhi = _mm512_set1_ps(zhi), vM = _mm512_set1_ps(M), vMz = _mm512_set1_ps(Mz); \
   const __m512 vr0 = _mm512_set1_ps(r0), vr1 = _mm512_set1_ps(r1), vfx = _mm512_set1_ps(fx), vlo2 = _mm512_set1_ps(lo2), vhi2 = _mm512_set1_ps(hi2);
 __attribute__((noinline)) void runA(void) {
   CONSTS
   for (int pb = 0; pb < OB / 2; pb++) {
-    __m512 sv[2]; __m512i bv[2];
-    for (int o = 0; o < 2; o++) { sv[o] = _mm512_loadu_ps(scale + (pb*2+o)*16); bv[o] = _mm512_loadu_si512(bias + (pb*2+o)*16); }
-    const int8_t *w0 = w + (size_t)(pb*2)*1024, *w1 = w0 + 1024;
+    PANEL
     for (int t = 0; t < P / R; t++) {
       __m512i a[R][2];
       for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_si512();
@@ -62,9 +65,7 @@ __attribute__((noinline)) void runB(void) {
   CONSTS
   __attribute__((aligned(64))) int32_t scr[R*2][16];
   for (int pb = 0; pb < OB / 2; pb++) {
-    __m512 sv[2]; __m512i bv[2];
-    for (int o = 0; o < 2; o++) { sv[o] = _mm512_loadu_ps(scale + (pb*2+o)*16); bv[o] = _mm512_loadu_si512(bias + (pb*2+o)*16); }
-    const int8_t *w0 = w + (size_t)(pb*2)*1024, *w1 = w0 + 1024;
+    PANEL
     for (int t = 0; t < P / R; t++) {
       __m512i a[R][2];
       _Pragma("GCC unroll 7") for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_si512();
@@ -99,9 +100,7 @@ __attribute__((noinline)) void runS(void) {
   CONSTS
   __attribute__((aligned(64))) int32_t scr[R*2][16];
   for (int pb = 0; pb < OB / 2; pb++) {
-    __m512 sv[2]; __m512i bv[2];
-    for (int o = 0; o < 2; o++) { sv[o] = _mm512_loadu_ps(scale + (pb*2+o)*16); bv[o] = _mm512_loadu_si512(bias + (pb*2+o)*16); }
-    const int8_t *w0 = w + (size_t)(pb*2)*1024, *w1 = w0 + 1024;
+    PANEL
     for (int t = 0; t <= P / R; t++) {
       __m512i a[R][2];
       _Pragma("GCC unroll 7") for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_si512();
