@@ -26,6 +26,11 @@ def vector_lanes(target, dtype: str) -> int:
     return max(1, target.vector_bytes // tvm_ffi.dtype(dtype).itemsize)
 
 
+def buffer_bytes(buf) -> int:
+    """Bytes of ``buf`` (the register-tiled rules' cache budgets, the weight prefetch's sizes)."""
+    return math.prod(int(n) for n in buf.shape) * tvm_ffi.dtype(str(buf.dtype)).bits // 8
+
+
 def is_true(expr) -> bool:
     """``expr`` is the constant true (a block without a predicate)."""
     return isinstance(expr, tirx.IntImm) and expr.value == 1

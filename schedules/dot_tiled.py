@@ -64,7 +64,7 @@ from tvm import s_tir, tirx
 
 from blockpad.vocabulary import ACC, DST, WEIGHT_SUMS, ZP_COMP
 
-from .common import REDUCE, SPATIAL, divisor_at_most, element_strides, vector_lanes
+from .common import REDUCE, SPATIAL, buffer_bytes, divisor_at_most, element_strides, vector_lanes
 from .dot_rewrites import DotShape, lift_conditions, lift_weight_guard, pad_dot, set_predicate, take_predicate
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source, subsampled_source
@@ -131,7 +131,7 @@ class DotTiled(ScheduleRule):
             return False
         rows = _rows(nest.extents[nest.t], self.tile // blocks)
         streamed = self.prefetch and blocks > 1 and _panels_lead_weights(nest) \
-            and _nbytes(nest.wei.source) >= PREFETCH_BYTES
+            and buffer_bytes(nest.wei.source) >= PREFETCH_BYTES
         outer = tile_dst(sch, dst, nest, rows, blocks, self.lanes, panels_first=streamed)
         update, init = tile_acc(sch, acc, nest, outer, nest.steps, blocks, self.lanes)
         if streamed:
@@ -139,7 +139,7 @@ class DotTiled(ScheduleRule):
             steps = [sch.get(l) for l in loops[1:len(loops) - 3 - (blocks > 1)]]
             weights = nest.wei.source
             ahead.append((sch.get(outer), weights,
-                          _nbytes(weights) // (int(weights.shape[0]) // blocks),
+                          buffer_bytes(weights) // (int(weights.shape[0]) // blocks),
                           [(f.loop_var, int(f.extent)) for f in steps]))
         for loop in sch.get_loops(update)[-2 - (blocks > 1) - 1:-2]:   # rows, column vectors
             sch.unroll(loop)
@@ -225,10 +225,6 @@ def weight_sums(sch, block, target) -> bool:
     return True   # on one thread: TVM refuses to parallelise the rfactor block's outer loop
 
 
-def _nbytes(buf) -> int:
-    return math.prod(int(n) for n in buf.shape) * tvm_ffi.dtype(str(buf.dtype)).itemsize
-
-
 def _panels_lead_weights(nest) -> bool:
     """The weights' outermost dim is the destination's column blocks (``u``: ``OIhw4i16o4i``'s
     ``O``, ``BA16b4a``'s ``B``) and no other dim walks them, and the buffer is compact: a panel
@@ -263,7 +259,7 @@ def prefetch_next_panel(sch, task, weights, panel, steps):
     Unchanged where the tiles of one panel are fewer than 2."""
     var, tasks = task.loop_var, int(task.extent)
     item = tvm_ffi.dtype(str(weights.dtype)).itemsize
-    total = _nbytes(weights)
+    total = buffer_bytes(weights)
     panels = total // panel
     if not steps or total % panel or tasks % panels or tasks // panels < 2:
         return sch
@@ -305,9 +301,9 @@ def tile_dst(sch, dst, nest, rows, blocks, lanes, panels_first=False):
     their weights stay in cache while rows stream past; the loops outside the tile fused in
     parallel, the tile's unrolled around a vector of ``lanes`` columns (``panels_first``: the
     panel of column blocks outermost, so that a task's panel is ``task // tiles per panel``).
-    Returns the parallel loop. A predicated ``dst`` (padding left alone) is tiled unpredicated, then predicated
-    again over its new loops: ``reorder`` refuses a block whose predicate is not a loop
-    bound."""
+    Returns the parallel loop. A predicated ``dst`` (padding left alone) is tiled
+    unpredicated, then predicated again over its new loops: ``reorder`` refuses a block whose
+    predicate is not a loop bound."""
     valid = take_predicate(sch, dst)
     loops = sch.get_loops(dst)
     t_loop, v = loops[nest.t], loops[-1]

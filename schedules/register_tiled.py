@@ -62,7 +62,7 @@ from tvm import s_tir, tirx
 
 from blockpad.vocabulary import ACC, DST
 
-from .common import REDUCE, SPATIAL, count_iters, is_true, tile_scope, vector_lanes
+from .common import REDUCE, SPATIAL, buffer_bytes, count_iters, is_true, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source, subsampled_source
 from .rule import ScheduleRule, distinct
@@ -392,11 +392,6 @@ def _channel_passes(block, n_sp: int, u) -> ChannelPasses | None:
                          taps=math.prod(extents[n_sp:]) // extents[n_sp + i], panels=extents[u],
                          height=extents[n_sp - 3], width=extents[n_sp - 2],
                          itemsize=tvm.DataType(block.writes[0].source.dtype).bits // 8)
-
-
-def buffer_bytes(buf) -> int:
-    """Bytes of ``buf`` (also the Winograd rule's band budget)."""
-    return math.prod(int(n) for n in buf.shape) * tvm.DataType(buf.dtype).bits // 8
 
 
 def _weights_block_dim(block, n_sp):

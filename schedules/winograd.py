@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import math
 
-import tvm_ffi
-from tvm import s_tir
+from tvm import s_tir, tirx
 
 from . import register_tiled, tile_edges
-from .common import REDUCE, op_of, vector_lanes
+from .common import REDUCE, buffer_bytes, op_of, vector_lanes
 from .dot_rewrites import set_predicate, take_predicate
-from .dot_tiled import PREFETCH_BYTES, _nbytes, _realize, prefetch_next_panel
+from .dot_tiled import PREFETCH_BYTES, _realize, prefetch_next_panel
 from .generic import root_blocks, spatial_parallel_vectorize
 from .nest import substitute, uses
 from .rule import ScheduleRule, distinct
@@ -48,7 +47,6 @@ from .vector_math import vector_math
 
 ATTR = "blockpad.winograd"
 STAGES = ("wino_dt", "wino_v", "wino_acc", "wino_m", "wino_t", "dst")
-SERIAL_LOOP = 0   # tirx.ForKind.SERIAL: the rolled reduction loop (not its unrolled steps)
 PANEL = 3   # the GEMM's panel dim, counted from the last (eps, nu, panel, tile, column)
 
 
@@ -125,7 +123,7 @@ def _prefetch_weights(sch, cfg):
     logits identical): 0.979x / 0.985x at 1 thread, 0.982x at 2; the channel-pruned ResNet-50
     0.984x / 0.986x at 1 thread, 0.972x / 0.988x at 2."""
     weights = sch.mod["main"].params[1]
-    if len(weights.shape) != 5 or _nbytes(weights) < PREFETCH_BYTES:   # not hwOi16o's
+    if len(weights.shape) != 5 or buffer_bytes(weights) < PREFETCH_BYTES:   # not hwOi16o's
         return sch
     update = sch.get_sblock("wino_acc_update")
     block = sch.get(update)
@@ -133,9 +131,9 @@ def _prefetch_weights(sch, cfg):
                if int(iv.iter_type) == REDUCE]
     fors = [sch.get(l) for l in sch.get_loops(update)]
     steps = [(f.loop_var, int(f.extent)) for f in fors[1:]
-             if int(f.kind) == SERIAL_LOOP and any(uses(x, f.loop_var) for x in reduced)]
-    panel = cfg.mu * math.prod(int(n) for n in weights.shape[-2:]) * \
-        tvm_ffi.dtype(str(weights.dtype)).itemsize
+             if f.kind == tirx.ForKind.SERIAL and any(uses(x, f.loop_var) for x in reduced)]
+    # the rolled reduction loop, not its unrolled steps; a panel: cfg.mu blocks of (eps, nu, kb)
+    panel = cfg.mu * buffer_bytes(weights) // math.prod(int(n) for n in weights.shape[:3])
     return prefetch_next_panel(sch, fors[0], weights, panel, steps)
 
 
@@ -149,11 +147,11 @@ def _band_rows(func, facts) -> int:
     bands of two (of four: 0.71); with 2.4 MB of weights (128 -> 128 at 28x28) bands of two
     ran 1.19 -> 1.25, with 6.6 MB (206 -> 224 at 14x14) bands of one 1.57 -> 2.52."""
     bufs = {b.name: b for b in func.body.block.alloc_buffers}
-    weights = register_tiled.buffer_bytes(func.params[1])
+    weights = buffer_bytes(func.params[1])
     dst = func.params[-1].ty.shape
     rows = -(-int(dst[facts["h"]]) // facts["tile"])    # of tiles, per image
-    scratch = register_tiled.buffer_bytes(bufs["wino_v"]) + \
-        register_tiled.buffer_bytes(bufs["wino_m"])
+    scratch = buffer_bytes(bufs["wino_v"]) + \
+        buffer_bytes(bufs["wino_m"])
     row_bytes = scratch / (int(dst[0]) * rows)
     budget = min(register_tiled.L2_BYTES - weights, register_tiled.L2_BYTES // 2)
     most = int(budget // row_bytes) if budget > 0 else 0
