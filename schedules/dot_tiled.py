@@ -45,8 +45,7 @@ What makes a nest awkward, and how it is still tensorized:
 
 Weights of ``PREFETCH_BYTES`` or more (``prefetch`` rules: ``vpdpbusd``'s) come from memory
 on every inference: the panels of column blocks go outermost and each tile prefetches into L2
-its share of the next panel's weights, spread over its reduction (``prefetch_next_panel``,
-which the Winograd GEMM uses too).
+its share of the next panel's weights, spread over its reduction (``prefetch.py``).
 
 Anything else returns None and the next rule in the target's table tries.
 The rewrites themselves, and ``DotShape`` (the nest read as ``j``, ``r``, ``t``, ``u``), are in
@@ -56,11 +55,9 @@ The rewrites themselves, and ``DotShape`` (the nest read as ``j``, ``r``, ``t``,
 from __future__ import annotations
 
 import functools
-import math
 
 import tvm
-import tvm_ffi
-from tvm import s_tir, tirx
+from tvm import s_tir
 
 from blockpad.vocabulary import ACC, DST, WEIGHT_SUMS, ZP_COMP
 
@@ -69,16 +66,10 @@ from .dot_rewrites import DotShape, lift_conditions, lift_weight_guard, pad_dot,
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source, subsampled_source
 from .nest import substitute, uses
+from .prefetch import PREFETCH_BYTES, panels_lead, prefetch_next_panel
 from .rule import ScheduleRule
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
-
-#: Weights of at least this many bytes (half an L2) are read panel by panel, each task
-#: prefetching its share of the next panel (``prefetch_next_panel``), in ``prefetch`` rules.
-PREFETCH_BYTES = 512 << 10
-LINE = 64            # bytes a prefetch brings
-L2_LOCALITY = 2      # llvm.prefetch's locality for L2 (x86 prefetcht1); 3 (L1) measured slower
-
 
 class DotTiled(ScheduleRule):
     """int8 and bf16 convolution and matmul, register-tiled around a dot-product intrinsic
@@ -130,7 +121,8 @@ class DotTiled(ScheduleRule):
         if blocks > 1 and nest.column_blocks(self.lanes) % blocks:
             return False
         rows = _rows(nest.extents[nest.t], self.tile // blocks)
-        streamed = self.prefetch and blocks > 1 and _panels_lead_weights(nest) \
+        streamed = self.prefetch and blocks > 1 and nest.u is not None \
+            and panels_lead(nest.wei.source, nest.wei.indices, nest.vars[nest.u]) \
             and buffer_bytes(nest.wei.source) >= PREFETCH_BYTES
         outer = tile_dst(sch, dst, nest, rows, blocks, self.lanes, panels_first=streamed)
         update, init = tile_acc(sch, acc, nest, outer, nest.steps, blocks, self.lanes)
@@ -223,76 +215,6 @@ def weight_sums(sch, block, target) -> bool:
     init = sch.decompose_reduction(partial, sch.get_loops(partial)[len(loops) - 1])
     sch.vectorize(sch.get_loops(init)[-1])
     return True   # on one thread: TVM refuses to parallelise the rfactor block's outer loop
-
-
-def _panels_lead_weights(nest) -> bool:
-    """The weights' outermost dim is the destination's column blocks (``u``: ``OIhw4i16o4i``'s
-    ``O``, ``BA16b4a``'s ``B``) and no other dim walks them, and the buffer is compact: a panel
-    of column blocks is one contiguous run of the weights (a dim of 1 may keep a symbolic
-    stride)."""
-    buf = nest.wei.source
-    shape = [int(n) for n in buf.shape]
-    compact = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-    if nest.u is None or any(n > 1 and not (isinstance(x, (int, tirx.IntImm)) and int(x) == c)
-                             for n, x, c in zip(shape, element_strides(buf), compact)):
-        return False
-    u = nest.vars[nest.u]
-    walks = [uses(x, u) for x in nest.wei.indices]
-    return walks[0] and not any(walks[1:])
-
-
-def prefetch_next_panel(sch, task, weights, panel, steps):
-    """``sch`` with each task (one register tile: the ``For`` ``task``, whose tasks walk the
-    weights a panel of ``panel`` contiguous bytes after another, as many tasks a panel)
-    prefetching into L2 its share of the next panel's weights, spread over its reduction
-    (``steps``: the reduction loops' vars and extents, outermost first): at the deepest of
-    those loops that runs no more often than there are lines to fetch, a few lines an
-    iteration. Weights this large come from memory on every inference, and a
-    panel's tiles all read them at once at its first: the hardware prefetcher, which starts
-    on misses, follows too late. Spread over the tiles and their steps, the next panel
-    arrives while this one computes; all at a tile's start (a loop of 330 prefetches before
-    a layer4 3x3's tile), the prefetches held the tile up: those 3x3s went 0.61 -> 0.74 ms.
-    int8 ResNet-50 on Zen 4 (zen4, whole inferences alternating with the same build without
-    it, logits identical): 0.974-0.984x at 1 thread, 0.971-0.978x at 2 (with a branch that
-    stopped at the share instead: 0.966-0.980x, and layer4's steps 4.62 -> 4.22 ms in the
-    network's order). Panels outermost alone changed nothing.
-    Unchanged where the tiles of one panel are fewer than 2."""
-    var, tasks = task.loop_var, int(task.extent)
-    item = tvm_ffi.dtype(str(weights.dtype)).itemsize
-    total = buffer_bytes(weights)
-    panels = total // panel
-    if not steps or total % panel or tasks % panels or tasks // panels < 2:
-        return sch
-    per_panel = tasks // panels
-    lines = -(-panel // LINE // per_panel)                  # a task's share of the next panel
-    depth = max(d for d in range(1, len(steps) + 1)
-                if d == 1 or math.prod(n for _, n in steps[:d]) <= lines)
-    steps = steps[:depth]
-    per_step = -(-lines // math.prod(n for _, n in steps))
-    p, t = tirx.floordiv(var, per_panel), tirx.floormod(var, per_panel)
-    step = 0
-    for v, n in steps:
-        step = step * n + v
-    k = tirx.Var("k", "int32")
-    # no branch: one on the reduction loops makes TVM's loop partitioning copy their bodies
-    # (a Winograd GEMM's build took 7x as long). The last iterations run past the share (less
-    # than an iteration's worth a step, into the next task's), the last panel's tasks fetch the
-    # weights' last line
-    at = tirx.min((p + 1) * panel + (t * lines + step * per_step + k) * LINE, total - LINE)
-    fetch = tirx.Evaluate(tirx.call_llvm_intrin(
-        "void", "llvm.prefetch.p0", weights.access_ptr("r", offset=tirx.floordiv(at, item)),
-        tirx.const(0, "int32"), tirx.const(L2_LOCALITY, "int32"), tirx.const(1, "int32")))
-    pre = tirx.For(k, 0, per_step, tirx.ForKind.UNROLLED, fetch) if per_step > 1 else \
-        substitute(fetch, {k: tirx.const(0, "int32")})
-    innermost = steps[-1][0]
-
-    def visit(f):
-        if not f.loop_var.same_as(innermost):
-            return f
-        return tirx.For(f.loop_var, f.min, f.extent, f.kind, tirx.SeqStmt([pre, f.body]),
-                        f.thread_binding, f.annotations)
-    func = sch.mod["main"]
-    return s_tir.Schedule(func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, visit))))
 
 
 def tile_dst(sch, dst, nest, rows, blocks, lanes, panels_first=False):

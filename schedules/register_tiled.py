@@ -36,6 +36,8 @@ micro-kernel is the classic one (oneDNN's jit convolutions, BLIS):
 * the loops outside the tile run in parallel, fused into one (TVM's pool gives each thread a
   contiguous chunk); a panel of columns outside the rows, so its weights stay in cache while the
   rows stream past;
+* weights of half an L2 or more come from memory on every inference: on x86 each task
+  prefetches its share of the next panel's weights into L2 (``prefetch.py``);
 * where a panel's weights outgrow L1 (1x1 1024 -> 256: 128 KiB), the reduction runs in passes
   of a few source channel blocks over a group of rows (``chunk_plan``, ``_chunked``): the
   partial sums go to a scratch between passes, and the pass's weights stay in L1.
@@ -65,6 +67,7 @@ from blockpad.vocabulary import ACC, DST
 from .common import REDUCE, SPATIAL, buffer_bytes, count_iters, is_true, tile_scope, vector_lanes
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source, subsampled_source
+from .prefetch import PREFETCH_BYTES, panels_lead, prefetch_next_panel
 from .rule import ScheduleRule, distinct
 from .tile_edges import edge_parts, extent, realize_of, unpredicated, whole_tiles
 from .vector_math import vector_math
@@ -319,7 +322,35 @@ def _schedule(func, target, cfg: Config, tails=False):
             spatial_parallel_vectorize(sch, block, target)
     except s_tir.ScheduleError:
         return None
+    acc, _, first = parts[0]   # the leading blocks; the blocks past them, if any, their own part
+    if target.arch == "x86_64" and not first.chunk and not first.rows_outer:
+        return _prefetch_weights(sch, acc, first)
     return sch
+
+
+def _prefetch_weights(sch, acc, cfg: Config):
+    """Weights of ``PREFETCH_BYTES`` or more whose panels come one after another in memory
+    (``OIhw16i16o``'s ``O`` outermost) and lead the parallel loop (a batch of one): each task
+    prefetches its share of the next panel over its tiles and reduction
+    (``prefetch_next_panel``). ``chunk_plan``'s passes and rows outside the panels walk the
+    weights otherwise. Whole inferences alternating in one process with the build without
+    it (zen4, logits identical): the channel-pruned ResNet-50 0.979-0.985x at 1 thread,
+    0.981x at 2; ResNet-50 0.982x / 0.982x; MobileNetV2 0.982-0.989x / 0.973x."""
+    update = sch.get_sblock(f"{acc}_update")   # decompose_reduction's name for it
+    block = sch.get(update)
+    u = _weights_block_dim(block, count_iters(block))
+    if u is None or buffer_bytes(weights := _operands(block)[1].source) < PREFETCH_BYTES \
+            or any(int(iv.dom.extent) > 1 for iv in block.iter_vars[:u]) \
+            or not panels_lead(weights, [r.min for r in _operands(block)[1].region],
+                               block.iter_vars[u].var):
+        return sch
+    fors = [sch.get(l) for l in sch.get_loops(update)]
+    if fors[0].kind != tirx.ForKind.PARALLEL:
+        return sch
+    steps = [(f.loop_var, int(f.extent)) for f in fors[1:] if f.kind == tirx.ForKind.SERIAL]
+    panel = buffer_bytes(weights) // int(weights.shape[0]) * cfg.mu
+    return prefetch_next_panel(sch, fors[0], weights, panel, steps,
+                               -(-int(block.iter_vars[u].dom.extent) // cfg.mu))
 
 
 @dataclass(frozen=True)
@@ -400,13 +431,19 @@ def _weights_block_dim(block, n_sp):
     def uses(region, var):
         return any(any(u.same_as(var) for u in tirx.analysis.undefined_vars(r.min))
                    for r in region.region)
-    if len(block.reads) < 2:
+    reads = _operands(block)
+    if len(reads) < 2:
         return None
     for d, iv in enumerate(block.iter_vars[:n_sp - 2]):
-        if int(iv.dom.extent) > 1 and not uses(block.reads[0], iv.var) \
-                and uses(block.reads[1], iv.var):
+        if int(iv.dom.extent) > 1 and not uses(reads[0], iv.var) and uses(reads[1], iv.var):
             return d
     return None
+
+
+def _operands(block) -> list:
+    """The regions ``acc``'s ``block`` reads, source first, then the weights: not the sums it
+    reads back once ``decompose_reduction`` has made it the update."""
+    return [r for r in block.reads if not r.source.same_as(block.writes[0].source)]
 
 
 def _tile(sch, acc, dst, cfg: Config, target, parallel: bool = True):

@@ -22,7 +22,7 @@ instead of passing through memory (the early, wide layers: their scratch is mega
 weights a few hundred KB). A GEMM cut in two (``tile_edges.panel_parts``) runs unbanded.
 
 Where the weights are too large for bands (``PREFETCH_BYTES`` or more), each GEMM task
-prefetches its share of the next panel's weights (``dot_tiled.prefetch_next_panel``; x86).
+prefetches its share of the next panel's weights (``prefetch.prefetch_next_panel``; x86).
 
 Rows past the last tile are computed whole (``tile_edges.whole_tiles``: clamped rows), so the
 GEMM's hot loop has no predicate. The rule reads the nest's facts from the func's
@@ -39,9 +39,10 @@ from tvm import s_tir, tirx
 from . import register_tiled, tile_edges
 from .common import REDUCE, buffer_bytes, op_of, vector_lanes
 from .dot_rewrites import set_predicate, take_predicate
-from .dot_tiled import PREFETCH_BYTES, _realize, prefetch_next_panel
+from .dot_tiled import _realize
 from .generic import root_blocks, spatial_parallel_vectorize
 from .nest import substitute, uses
+from .prefetch import PREFETCH_BYTES, prefetch_next_panel
 from .rule import ScheduleRule, distinct
 from .vector_math import vector_math
 
@@ -117,7 +118,7 @@ def _schedule(func, target, cfg, facts):
 def _prefetch_weights(sch, cfg):
     """An unbanded GEMM whose transformed weights (``hwOi16o``: positions, then panels of
     ``cfg.mu`` output-channel blocks over every input channel) reach ``PREFETCH_BYTES``: each
-    task prefetches its share of the next panel (``dot_tiled.prefetch_next_panel``). Its tasks
+    task prefetches its share of the next panel (``prefetch.prefetch_next_panel``). Its tasks
     walk the positions, their panels, then the tiles, so the panels come one after another
     in memory. ResNet-50 (fp32, zen4, whole inferences alternating with the build without it,
     logits identical): 0.979x / 0.985x at 1 thread, 0.982x at 2; the channel-pruned ResNet-50

@@ -77,7 +77,7 @@ class Vnni(DotTiled):
     """int8 (s8 or u8 x s8 -> s32) convolution and matmul tensorized to ``vpdpbusd``."""
 
     feature, lanes, tile = "avx512_vnni", 16, VNNI_TILE
-    prefetch = True   # measured on Zen 4 (dot_tiled.prefetch_next_panel); the others not
+    prefetch = True   # measured on Zen 4 (prefetch.prefetch_next_panel); the others not
 
     def __init__(self, reference: bool = False):
         self.reference = reference

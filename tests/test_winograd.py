@@ -370,7 +370,7 @@ def test_stages_run_in_bands_of_tile_rows_where_the_weights_fit_in_l2():
 def test_a_gemm_with_large_weights_prefetches_the_next_panel(tmp_path, rng):
     """2.4 MB of F(2x2) weights (192 -> 192): too large for bands, they come from memory on
     every inference, so each GEMM task prefetches its share of the next panel's
-    (``dot_tiled.prefetch_next_panel``; ResNet-50's layer4 and the pruned network's
+    (``prefetch.prefetch_next_panel``; ResNet-50's layer4 and the pruned network's
     Winograd layers). The numbers stay what they were; a small kernel prefetches nothing."""
     spec = {"kernel": [_conv("big", (1, 192, 8, 8), 192, "nChw8c", "hwOi8o", 2),
                        _conv("small", (1, 32, 8, 8), 32, "nChw8c", "hwOi8o", 2)]}

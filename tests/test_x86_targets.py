@@ -69,7 +69,7 @@ VNNI_SPEC = {"library": {"name": "test-vnni"}, "kernel": [
     {"name": "mm_u8_odd_stage", "op": "matmul", "dtype": "uint8", "shape": [5, 30], "n": 30,
      "src": "ab", "weights": "BA16b4a", "dst": "aB16b", "policy": "dst_stage"},
     # 512 KiB of weights: read panel by panel, each tile prefetching the next panel's
-    # (dot_tiled.prefetch_next_panel)
+    # (prefetch.prefetch_next_panel)
     LARGE_WEIGHTS,
     # not tensorized (fp32, bf16: RegisterTiled): zmm FMAs along the 16-channel block; bf16
     # with channel tails, spatial padding, bias and relu in fp32
