@@ -2,36 +2,77 @@
 benchmarks at more than one thread run each."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
-from blockpad.bench import resnet
+from blockpad.bench import common, resnet
 from blockpad.bench.common import best_of_processes, isolation, spread
 
 
-def test_best_of_processes_interleaves_rounds_and_keeps_each_fastest():
+def test_best_of_processes_keeps_each_contenders_fastest_process():
     ms = {("a", 1): [5.0, 3.0, 4.0], ("b", 1): [2.0, 6.0, 9.0], ("a", 2): [{"error": "x"}, 1.5,
                                                                            2.5],
           ("b", 2): [7.0, {"error": "y"}, 8.0]}
-    order = []
+    calls = []
 
-    def spawn(name, t):
-        order.append((name, t))
-        v = ms[(name, t)][sum(1 for o in order if o == (name, t)) - 1]
-        return v if isinstance(v, dict) else {"ms": v, "run": len(order)}
+    def spawn(names, t):
+        calls.append((names, t))
+        got = {}
+        for name in names:
+            v = ms[(name, t)][sum(1 for _, tt in calls if tt == t) - 1]
+            got[name] = v if isinstance(v, dict) else {"ms": v}
+        return got
 
     got = best_of_processes(spawn, ("a", "b"), [1, 2], 3, log=lambda m: None)
-    # round by round: every contender once before any twice
-    assert order == [("a", 1), ("b", 1), ("a", 2), ("b", 2)] * 3
+    # every contender of a thread count spawned together (their rounds interleave), 3 times
+    assert calls == [(("a", "b"), 1), (("a", "b"), 2)] * 3
     assert {k: v["ms"] for k, v in got.items()} == {("a", 1): 3.0, ("b", 1): 2.0,
                                                     ("a", 2): 1.5, ("b", 2): 7.0}
-    assert "best of 3 processes" in isolation(3) and "best of" not in isolation(1)
+    assert "best of 3 sets" in isolation(3) and "best of" not in isolation(1)
     # every process's median is kept beside the best one's, failed ones left out
     assert got[("a", 2)]["process_ms"] == [1.5, 2.5] and spread(got[("a", 2)]) == "1.50-2.50"
     assert got[("b", 1)]["process_ms"] == [2.0, 6.0, 9.0]
     assert spread({"ms": 1.0, "process_ms": [1.0]}) == ""
+
+
+FAKE_CHILD = """
+import json, sys, time
+from blockpad.bench.common import child_rounds, spawned_at
+if sys.argv[1] == "broken":
+    raise SystemExit("broken: cannot load its model")
+started = spawned_at()
+times = child_rounds(lambda: time.sleep(0.002), 3)
+print(json.dumps({"ms": 1e3 * min(times), "rounds": len(times), "started": started}))
+"""
+
+
+def test_children_stay_alive_and_the_parent_interleaves_their_rounds(tmp_path, monkeypatch):
+    """``run_children``: each contender in a process of its own, all alive at once; the
+    parent asks each for one round in turn (each round one contender later), a child that
+    fails is an error and the others go on; a child's start time is the parent's spawn."""
+    asked = []
+    reply = common._reply
+
+    def spy(proc, word, ask=None):
+        if ask is not None:
+            asked.append(proc.args[-1])
+        return reply(proc, word, ask)
+
+    monkeypatch.setattr(common, "_reply", spy)
+    before = time.time()
+    commands = {name: ([sys.executable, "-c", FAKE_CHILD, name], dict(os.environ),
+                       str(tmp_path / f"{name}.npy")) for name in ("a", "broken", "b")}
+    got = common.run_children(commands, 3, 1)
+    assert asked == ["a", "b", "b", "a", "a", "b"]
+    assert got["broken"] == {"error": "broken: cannot load its model"}
+    for name in ("a", "b"):
+        assert got[name]["rounds"] == 3 and got[name]["ms"] >= 2.0
+        assert before <= got[name]["started"] <= time.time()
+        assert got[name]["y"] == commands[name][2]
 
 
 def test_resnet_block_child_process_runs_the_graph(tmp_path):

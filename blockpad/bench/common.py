@@ -2,7 +2,9 @@
 
 The CPU clock of a shared VM drifts by 20% from one minute to the next, so contenders are never
 timed one after the other: each round times one batch of every contender in turn, and each
-contender's figure is the median over the rounds."""
+contender's figure is the median over the rounds. Where each contender has a process of its
+own (``run_children``), the parent still runs the rounds: every process stays alive and times
+a batch when told (``child_rounds``)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -155,9 +158,9 @@ def _progress(msg):
 
 
 def best_of_processes(spawn, contenders, counts, processes, log=_progress) -> dict:
-    """``{(contender, threads): result}``: ``spawn(contender, threads)`` run ``processes`` times
-    each, round by round (every contender once a round, so a slow spell of a shared machine
-    falls on all of them), keeping each one's process with the lowest median. On a VM a
+    """``{(contender, threads): result}``: ``spawn(contenders, threads)`` (``{contender:
+    result}``, each in a process of its own: ``run_children``) run ``processes`` times at
+    each thread count, keeping each contender's process with the lowest median. On a VM a
     process can lose a core for its whole life (2-thread runs measured 1.0x and 1.8x of one
     thread in separate processes of the same binary): one process per contender measures the
     machine's luck as much as the runtimes. Each kept result also holds every process's
@@ -167,10 +170,9 @@ def best_of_processes(spawn, contenders, counts, processes, log=_progress) -> di
     results, seen = {}, {}
     for i in range(processes):
         for t in counts:
-            for name in contenders:
-                tag = f" (process {i + 1} of {processes})" if processes > 1 else ""
-                log(f"running {name} at {t} thread(s){tag} ...")
-                r = spawn(name, t)
+            tag = f" (processes {i + 1} of {processes})" if processes > 1 else ""
+            log(f"running {', '.join(contenders)} at {t} thread(s), rounds interleaved{tag} ...")
+            for name, r in spawn(contenders, t).items():
                 if "ms" in r:
                     seen.setdefault((name, t), []).append(r["ms"])
                 old = results.get((name, t))
@@ -189,24 +191,144 @@ def spread(result: dict) -> str:
 
 def isolation(processes: int) -> str:
     """How a process-isolated benchmark ran its contenders, for its header."""
-    best = f", the best of {processes} processes" if processes > 1 else ""
-    return f"each contender in its own process{best} (figures from a shared machine are rough)"
+    best = f", the best of {processes} sets of processes" if processes > 1 else ""
+    return (f"each contender in its own process, their rounds interleaved{best} (figures from "
+            f"a shared machine are rough)")
 
 
-def run_child(module: str, name: str, threads: int, work: str, args: list, env=None) -> dict:
-    """Run contender ``name`` of benchmark ``module`` in a process of its own (``-m module
-    --child name --threads N ... --output y.npy``) and return the JSON its last line prints,
-    with ``y`` the path of the output it saved (compared by the parent), or ``{"error": ...}``.
-    One process each: in a shared one, PyTorch's idle OpenMP workers spin and steal the cores
-    from whoever runs next."""
+def child_command(module: str, name: str, threads: int, work: str, args: list,
+                  env=None) -> tuple:
+    """``(command, environment, output)`` that runs contender ``name`` of benchmark ``module``
+    in a process of its own (``-m module --child name --threads N ... --output y.npy``), its
+    result saved to ``output`` for the parent to compare. One process each: in a shared one,
+    PyTorch's idle OpenMP workers spin and steal the cores from whoever runs next."""
     env = {**os.environ, "TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
            **(env or {})}
     out = os.path.join(work, f"y_{name.replace(' ', '_')}_{threads}.npy")
     cmd = [sys.executable, "-m", module, "--child", name, "--threads", str(threads), *args,
            "--output", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if proc.returncode:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    r["y"] = out
-    return r
+    return cmd, env, out
+
+
+def run_child(module: str, name: str, threads: int, work: str, args: list, env=None) -> dict:
+    """Run one contender (``child_command``) alone and return the JSON its last line prints,
+    with ``y`` the path of the output it saved, or ``{"error": ...}``."""
+    cmd, env, out = child_command(module, name, threads, work, args, env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_spawned(env), check=False)
+    return _child_result(proc.returncode, proc.stdout, proc.stderr, out)
+
+
+#: Set in a child's environment by ``run_children``: the parent runs its rounds.
+ROUNDS_FROM_PARENT = "BLOCKPAD_BENCH_ROUNDS_FROM_PARENT"
+#: Set in a child's environment when it is started: the wall-clock time (``spawned_at``).
+SPAWNED_AT = "BLOCKPAD_BENCH_SPAWNED_AT"
+#: Seconds ``run_children`` waits after a contender's round at more than one thread, for its
+#: pool's workers (PyTorch's OpenMP team, TVM's) to stop spinning before the next one runs.
+SETTLE_S = 0.2
+
+
+def run_children(commands: dict, repeat: int, threads: int) -> dict:
+    """``{name: result}``: every contender of ``commands`` (``{name: child_command(...)}``) in a
+    process of its own, all alive at once, and ``repeat`` rounds that each time one batch of
+    every contender in turn (``child_rounds``; each round starts one contender later than the
+    last, as ``interleaved_rounds``). One after another, each in its own process, the
+    contenders met different spells of a shared machine: ONNX Runtime's pruned ResNet-50 took
+    55.9 ms in one run and 64.3 in the next. The processes start one at a time (each one's
+    time to its first result is its own); a child's work after the rounds (blockpad's
+    per-step times) runs alone too. A child that fails is reported as ``{"error": ...}``
+    and the others go on."""
+    procs, errors, failed = {}, {}, set()
+    try:
+        for name, (cmd, env, _) in commands.items():
+            errors[name] = tempfile.TemporaryFile("w+")
+            procs[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=errors[name], text=True,
+                                           env=_spawned({**env, ROUNDS_FROM_PARENT: "1"}))
+            if _reply(procs[name], "ready") is None:
+                failed.add(name)
+        live = [n for n in procs if n not in failed]
+        for r in range(repeat if live else 0):
+            for name in live[r % len(live):] + live[:r % len(live)]:
+                if name in failed:
+                    continue
+                if _reply(procs[name], "round", ask="run") is None:
+                    failed.add(name)
+                if threads > 1:
+                    time.sleep(SETTLE_S)
+        results = {}
+        for name, p in procs.items():
+            try:
+                p.stdin.close()
+            except BrokenPipeError:
+                pass
+            stdout = p.stdout.read()
+            p.wait()
+            errors[name].seek(0)
+            results[name] = _child_result(p.returncode, stdout, errors[name].read(),
+                                          commands[name][2])
+        return results
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in errors.values():
+            f.close()
+
+
+def _spawned(env: dict) -> dict:
+    return {**env, SPAWNED_AT: repr(time.time())}
+
+
+def spawned_at() -> float:
+    """When the parent started this child process (wall clock, ``time.time()``): a fresh
+    process's time to its first result counts the interpreter's start and the imports."""
+    return float(os.environ[SPAWNED_AT])
+
+
+def _reply(proc, word: str, ask: str | None = None) -> str | None:
+    """The child's next stdout line that starts with ``word`` (after writing ``ask`` to its
+    stdin, if given); None where it has exited or closed its end."""
+    try:
+        if ask is not None:
+            proc.stdin.write(ask + "\n")
+            proc.stdin.flush()
+        for line in proc.stdout:
+            if line.split()[:1] == [word]:
+                return line
+    except (BrokenPipeError, OSError):
+        pass
+    return None
+
+
+def child_rounds(run, repeat: int) -> list:
+    """Seconds per call of ``run``, a figure a round, in a contender's own process. Under
+    ``run_children`` the parent says when: a line ``ready`` once set up, then per ``run`` on
+    stdin one untimed call (the other contenders ran since this one's last round) and a timed
+    batch, answered ``round <seconds per call>``, until stdin closes. Alone, ``repeat`` rounds
+    one after another."""
+    if not os.environ.get(ROUNDS_FROM_PARENT):
+        return interleaved_rounds({"run": run}, repeat)["run"]
+    n = batch_size(run)
+    times = []
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        run()
+        times.append(_time(run, n) / n)
+        print(f"round {times[-1]!r}", flush=True)
+    return times
+
+
+def _child_result(code: int, stdout: str, stderr: str, out: str) -> dict:
+    """What a child's exit says: the JSON of its last stdout line, with ``y`` its saved output
+    (``out``), or ``{"error": ...}`` with the last line of its stderr."""
+    lines = stdout.strip().splitlines()
+    if code == 0 and lines:
+        try:
+            return {**json.loads(lines[-1]), "y": out}
+        except ValueError:
+            pass
+    tail = stderr.strip().splitlines()
+    return {"error": tail[-1] if tail else f"exit status {code}, no result"}

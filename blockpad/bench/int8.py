@@ -3,7 +3,8 @@ Runtime's int8 and blockpad's own fp32, at 1 thread and at every core.
 
 The networks are ``blockpad.models``' (random weights, exported by PyTorch), quantized by
 ``blockpad.models.quantized.quantize`` (QDQ, per-channel 7-bit weights, uint8 activations
-calibrated on random inputs). Contenders, each in its own process (``bench model``'s reasons):
+calibrated on random inputs). Contenders, each in its own process (``bench model``'s reasons;
+their rounds interleaved, ``common.run_children``):
 
 * ``blockpad int8``: the QDQ model built ahead of time (``blockpad build``: its kernels, plan
   and packed weights), loaded by ``bp.load`` in the child, as ``bench model`` runs fp32;
@@ -28,10 +29,11 @@ import numpy as np
 
 from .common import (
     best_of_processes,
+    child_command,
+    child_rounds,
     hot_step_times,
-    interleaved_rounds,
     isolation,
-    run_child,
+    run_children,
     spread,
     step_times,
     table,
@@ -63,7 +65,7 @@ def child(args) -> dict:
     x = np.load(args.input)
     run, model = _contender(args.child, args, x)
     np.save(args.output, run())
-    times = interleaved_rounds({"run": run}, args.repeat)["run"]     # one contender per process
+    times = child_rounds(run, args.repeat)
     out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times)}
     if model is not None:   # where blockpad's time goes: each step of the plan, in plan order
         out["fallbacks"] = model.run(x).report.fallbacks
@@ -73,10 +75,10 @@ def child(args) -> dict:
     return out
 
 
-def _spawn(name, threads, paths, args) -> dict:
-    return run_child("blockpad.bench.int8", name, threads, paths["work"],
-                     ["--repeat", str(args.repeat), "--onnx", paths["int8"], "--dir",
-                      paths["int8_dir"], "--input", paths["input"]])
+def _command(name, threads, paths, args) -> tuple:
+    return child_command("blockpad.bench.int8", name, threads, paths["work"],
+                         ["--repeat", str(args.repeat), "--onnx", paths["int8"], "--dir",
+                          paths["int8_dir"], "--input", paths["input"]])
 
 
 def prepare(name, batch, hw, seed, target, log=print, tuning_logs=None) -> dict:
@@ -115,9 +117,10 @@ def main(models=MODELS, batch=1, hw=224, repeat=5, threads=None, target=None, se
     for name in models:
         paths = prepare(name, batch, hw, seed, target, tuning_logs=tuning_logs)
         args = argparse.Namespace(model=name, repeat=repeat, seed=seed)
-        def spawn(c, t, paths=paths, args=args):
-            return fp32._spawn("blockpad", t, paths, args) if c == "blockpad fp32" else \
-                _spawn(c, t, paths, args)
+        def spawn(names, t, paths=paths, args=args):
+            return run_children({c: fp32._command("blockpad", t, paths, args)
+                                 if c == "blockpad fp32" else _command(c, t, paths, args)
+                                 for c in names}, repeat, t)
         results = best_of_processes(spawn, (*INT8, "blockpad fp32"), counts, processes)
         _report(name, batch, hw, target, counts, results, processes, tuning_logs)
 

@@ -4,7 +4,9 @@ and channels_last) and ONNX Runtime (default session options: every graph optimi
 1 thread and at every core.
 
 Each contender runs in its own process: in one process PyTorch's OpenMP workers keep spinning
-after each call and slow down whoever runs next. Each process checks its output against
+after each call and slow down whoever runs next. The processes stay alive side by side and
+the parent runs the rounds, one batch of each in turn (``common.run_children``), so that a
+slow spell of a shared machine falls on all of them. Each process checks its output against
 PyTorch's, reports ms per inference (median of its rounds), its peak resident memory, and
 (blockpad) the time from process start to the first result of a prebuilt model and a
 per-layer breakdown. The figures and a PNG are written under ``build/bench_model/``.
@@ -27,10 +29,12 @@ from blockpad.runtime.graph.execution import BIND_LABEL
 
 from .common import (
     best_of_processes,
+    child_command,
+    child_rounds,
     hot_step_times,
-    interleaved_rounds,
     isolation,
-    run_child,
+    run_children,
+    spawned_at,
     spread,
     step_times,
     table,
@@ -87,16 +91,16 @@ def _contender(name, args, x):
 
 def child(args) -> dict:
     """Run one contender (``args.child``) and return its figures. ``first_s``: from the
-    parent's spawn (``args.t0``, wall clock) to the first result: interpreter start, imports,
+    parent's spawn (``spawned_at``) to the first result: interpreter start, imports,
     loading and the first inference."""
     x = np.load(args.input)
     rss0 = _status_mib("VmRSS")
     run, net = _contender(args.child, args, x)
     rss_loaded = _status_mib("VmRSS")
     y = run()
-    first = time.time() - args.t0
+    first = time.time() - spawned_at()
     np.save(args.output, y)
-    times = interleaved_rounds({"run": run}, args.repeat)["run"]     # one contender per process
+    times = child_rounds(run, args.repeat)
     out = {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
            "first_s": first, "rss_before_mib": rss0, "rss_loaded_mib": rss_loaded,
            "peak_mib": _status_mib("VmHWM")}
@@ -130,16 +134,16 @@ def _kind(g, node) -> str:
     return f"conv2d {kh}x{kw}"
 
 
-def _spawn(name, threads, paths, args) -> dict:
-    """Run one contender in a process of its own. Its thread pools keep their default spin:
+def _command(name, threads, paths, args) -> tuple:
+    """``child_command`` of one contender. Its thread pools keep their default spin:
     ``QUIET_POOLS`` (sleeping workers) is for contenders sharing a process, and a sleeping pool
     pays a wake-up per kernel launch (MobileNetV2, 2 threads: 19.5 ms with TVM's spin count 0,
     11.6 ms with the default)."""
-    return run_child("blockpad.bench.model", name, threads, paths["work"],
-                     ["--model", args.model, "--repeat", str(args.repeat), "--seed",
-                      str(args.seed), "--dir", paths["dir"], "--onnx", paths["onnx"],
-                      "--input", paths["input"], "--t0", repr(time.time())],
-                     env={"BLOCKPAD_JIT": "0"})
+    return child_command("blockpad.bench.model", name, threads, paths["work"],
+                         ["--model", args.model, "--repeat", str(args.repeat), "--seed",
+                          str(args.seed), "--dir", paths["dir"], "--onnx", paths["onnx"],
+                          "--input", paths["input"]],
+                         env={"BLOCKPAD_JIT": "0"})
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -181,8 +185,9 @@ def main(model="resnet50", batch=1, hw=224, repeat=5, threads=None, target=None,
     cores = default_threads()
     counts = [threads] if threads else sorted({1, cores})
     args = argparse.Namespace(model=model, repeat=repeat, seed=seed)
-    results = best_of_processes(lambda name, t: _spawn(name, t, paths, args), CONTENDERS,
-                                counts, processes)
+    def spawn(names, t):
+        return run_children({n: _command(n, t, paths, args) for n in names}, repeat, t)
+    results = best_of_processes(spawn, CONTENDERS, counts, processes)
     _report(model, batch, hw, target, counts, results, conv_algorithm, processes, tuning_logs)
 
 
@@ -327,7 +332,6 @@ def _cli():
         ap.add_argument(f"--{k}", required=True)
     for k in ("threads", "repeat", "seed"):
         ap.add_argument(f"--{k}", type=int, required=True)
-    ap.add_argument("--t0", type=float, required=True)
     args = ap.parse_args()
     print(json.dumps(child(args)))
 

@@ -20,6 +20,7 @@ import functools
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -28,7 +29,17 @@ import numpy as np
 
 from blockpad.codegen.targets import native_target
 
-from .common import best_of_processes, interleaved, isolation, quiet_thread_pools, run_child, step_times, table
+from .common import (
+    best_of_processes,
+    child_command,
+    child_rounds,
+    interleaved,
+    isolation,
+    quiet_thread_pools,
+    run_children,
+    step_times,
+    table,
+)
 
 EPS = 1e-5
 
@@ -236,7 +247,9 @@ def _own_processes(quick, hw, policy, algorithm, threads, repeat, got, processes
             "--hw", str(hw or 0), *(["--quick"] if quick else [])]
     out = {}
     with tempfile.TemporaryDirectory() as work:
-        spawn = functools.partial(run_child, "blockpad.bench.resnet", work=work, args=args)
+        def spawn(contenders, t):
+            return run_children({n: child_command("blockpad.bench.resnet", n, t, work, args)
+                                 for n in contenders}, repeat, t)
         for (name, _), r in best_of_processes(spawn, names, [threads], processes).items():
             if "error" in r:
                 raise RuntimeError(f"bench resnet: {name} failed: {r['error']}")
@@ -255,7 +268,7 @@ def _child(args) -> dict:
     else:
         run = _torch_contenders(p, x, args.threads)[args.child]
     np.save(args.output, run())
-    return {"ms": 1e3 * interleaved({"run": run}, args.repeat)["run"]}
+    return {"ms": 1e3 * statistics.median(child_rounds(run, args.repeat))}
 
 
 def _cli():
