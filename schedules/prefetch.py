@@ -16,7 +16,8 @@ from .common import buffer_bytes, element_strides
 from .nest import substitute, uses
 
 #: Weights of at least this many bytes (half an L2) are read panel by panel, each task
-#: prefetching its share of the next panel (``prefetch_next_panel``), in ``prefetch`` rules.
+#: prefetching its share of the next panel (``prefetch_next_panel``): in the dot rules whose
+#: ``prefetch`` is set, the float32 direct kernel and the unbanded Winograd GEMMs.
 PREFETCH_BYTES = 512 << 10
 LINE = 64            # bytes a prefetch brings
 L2_LOCALITY = 2      # llvm.prefetch's locality for L2 (x86 prefetcht1); 3 (L1) measured slower
