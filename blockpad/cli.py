@@ -7,6 +7,7 @@ import json
 import sys
 
 from .errors import BlockpadError
+from .models import NETWORKS
 
 
 def main(argv=None) -> int:
@@ -65,9 +66,9 @@ def main(argv=None) -> int:
     p.add_argument("--target", default=None,
                    help="target of blockpad's kernels (ops, resnet, conv-int8, winograd; default: "
                    "the widest this CPU runs)")
-    p.add_argument("--model", default=None, help="bench model, layers: the network (resnet18, "
-                   "resnet50 (default), resnet50_pruned, mobilenet_v2, efficientnet_b0, "
-                   "densenet121); bench int8: resnet50 or mobilenet_v2 (default: both)")
+    p.add_argument("--model", default=None, choices=list(NETWORKS),
+                   help="bench model, layers: the network (default resnet50); bench int8: the "
+                   "network to quantize (default: resnet50 and mobilenet_v2)")
     p.add_argument("--int8", action="store_true", help="bench layers: the network's quantized "
                    "(QDQ) form, blockpad's int8 build against ONNX Runtime's int8 nodes "
                    "(as bench int8 quantizes it)")

@@ -124,3 +124,18 @@ def test_bench_model_builds_the_tuned_model_beside_the_untuned_one(tmp_path, mon
     monkeypatch.setattr(model, "main", lambda *a, **kw: seen.update(kw))
     main(["bench", "model", "--model", "resnet18", "--tuning-logs", "/logs"])
     assert seen["tuning_logs"] == "/logs"
+
+
+def test_bench_rejects_an_unknown_network_before_making_anything(tmp_path, monkeypatch, capsys):
+    """``--model`` is checked by the command line (the list is ``models.NETWORKS``): an unknown
+    name stops there, naming the choices, before a folder is made or anything exported."""
+    import pytest
+
+    from blockpad.bench import model
+    from blockpad.cli import main
+
+    monkeypatch.setattr(model, "OUT", str(tmp_path))
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "model", "--model", "resnet51"])
+    assert stop.value.code == 2 and "resnet50_pruned" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
