@@ -1,6 +1,7 @@
 """``blockpad bench resnet``: a small ResNet block run by the graph runtime against PyTorch eager
 (NCHW and channels_last): at 1 thread in one process, contenders interleaved round by round; at
-more, each contender in a process of its own (``_own_processes`` says why).
+more, each contender in a process of its own, their rounds still interleaved by the parent
+(``_own_processes`` says why, ``common.run_children`` how).
 
     conv3x3 + BN (folded into weights and bias) -> relu -> conv3x3 + BN (folded) -> add(x)
     -> relu -> conv1x1 head -> softmax over channels
