@@ -37,11 +37,13 @@ def panels_lead(weights, indices, var) -> bool:
     return walks[0] and not any(walks[1:])
 
 
-def prefetch_next_panel(sch, task, weights, panel, steps, panels=None):
+def prefetch_next_panel(sch, task, weights, panel, steps, panels=None, runs=None):
     """``sch`` with each task (one register tile: the ``For`` ``task``, whose tasks walk the
     weights a panel of ``panel`` contiguous bytes after another from their start, as many
     tasks a panel; ``panels`` of them where not all of the weights: a kernel's part whose
-    last blocks a part of its own computes)
+    last blocks a part of its own computes; ``runs``, ``(panels, bytes)``: the panels lie in
+    runs of that many, that many bytes apart, as a Winograd GEMM's first part walks the
+    leading panels of each position)
     prefetching into L2 its share of the next panel's weights, spread over its reduction
     (``steps``: the reduction loops' vars and extents, outermost first): at the deepest of
     those loops that runs no more often than there are lines to fetch, a few lines an
@@ -78,7 +80,10 @@ def prefetch_next_panel(sch, task, weights, panel, steps, panels=None):
     # (a Winograd GEMM's build took 7x as long). The last iterations run past the share (less
     # than an iteration's worth a step, into the next task's), the last panel's tasks fetch the
     # weights' last line
-    at = tirx.min((p + 1) * panel + (t * lines + step * per_step + k) * LINE, total - LINE)
+    nxt = p + 1
+    start = nxt * panel if runs is None else \
+        tirx.floordiv(nxt, runs[0]) * runs[1] + tirx.floormod(nxt, runs[0]) * panel
+    at = tirx.min(start + (t * lines + step * per_step + k) * LINE, total - LINE)
     fetch = tirx.Evaluate(tirx.call_llvm_intrin(
         "void", "llvm.prefetch.p0", weights.access_ptr("r", offset=tirx.floordiv(at, item)),
         tirx.const(0, "int32"), tirx.const(L2_LOCALITY, "int32"), tirx.const(1, "int32")))
