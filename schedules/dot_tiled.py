@@ -71,6 +71,7 @@ from .rule import ScheduleRule
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
+
 class DotTiled(ScheduleRule):
     """int8 and bf16 convolution and matmul, register-tiled around a dot-product intrinsic
     ``C[lanes] += A[steps] . B[lanes, steps]`` (``dot_intrin.dot_desc``). A target rule says

@@ -339,10 +339,13 @@ def _prefetch_weights(sch, acc, cfg: Config):
     update = sch.get_sblock(f"{acc}_update")   # decompose_reduction's name for it
     block = sch.get(update)
     u = _weights_block_dim(block, count_iters(block))
-    if u is None or buffer_bytes(weights := _operands(block)[1].source) < PREFETCH_BYTES \
+    if u is None:
+        return sch
+    read = _operands(block)[1]
+    weights = read.source
+    if buffer_bytes(weights) < PREFETCH_BYTES \
             or any(int(iv.dom.extent) > 1 for iv in block.iter_vars[:u]) \
-            or not panels_lead(weights, [r.min for r in _operands(block)[1].region],
-                               block.iter_vars[u].var):
+            or not panels_lead(weights, [r.min for r in read.region], block.iter_vars[u].var):
         return sch
     fors = [sch.get(l) for l in sch.get_loops(update)]
     if fors[0].kind != tirx.ForKind.PARALLEL:

@@ -137,10 +137,11 @@ def _prefetch_weights(sch, cfg, cut):
     # the rolled reduction loop, not its unrolled steps; a panel: cfg.mu blocks of (eps, nu, kb)
     positions, blocks = math.prod(int(n) for n in weights.shape[:2]), int(weights.shape[2])
     block_bytes = buffer_bytes(weights) // (positions * blocks)
-    leading = blocks // cfg.mu if cut else -(-blocks // cfg.mu)   # panels a position
-    runs = (leading, blocks * block_bytes) if cut else None
-    return prefetch_next_panel(sch, fors[0], weights, cfg.mu * block_bytes, steps,
-                               positions * leading if cut else None, runs)
+    panels = runs = None   # uncut: the panels one after another through the weights
+    if cut:                # the first part: the leading panels of each position
+        leading = blocks // cfg.mu
+        panels, runs = positions * leading, (leading, blocks * block_bytes)
+    return prefetch_next_panel(sch, fors[0], weights, cfg.mu * block_bytes, steps, panels, runs)
 
 
 def _band_rows(func, facts) -> int:
