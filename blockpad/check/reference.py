@@ -12,12 +12,11 @@ handed through each function (``f(v +- bound)``)."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from blockpad import qlinear
 from blockpad.layout import pad_sides
+from blockpad.runtime.graph.ops import ELTWISE
 from blockpad.vocabulary import QUANTIZED_ADD, post_op_tensors
 
 # unit roundoff of the type a kernel computes in
@@ -40,26 +39,10 @@ def rounding(dtype: str, v):
 # roundings for one evaluation
 FUNCTION_ULPS = 32
 
-_erf = np.frompyfunc(math.erf, 1, 1)
-
-ELTWISE = {
-    "relu": lambda x, a, b: np.where(x > 0, x, x * a),
-    "gelu_erf": lambda x, a, b: 0.5 * x * (1 + _erf(x / math.sqrt(2)).astype(np.float64)),
-    "gelu_tanh": lambda x, a, b: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi)
-                                                         * (x + 0.044715 * x ** 3))),
-    "sigmoid": lambda x, a, b: 1 / (1 + np.exp(-x)),
-    "exp": lambda x, a, b: np.exp(x),
-    "tanh": lambda x, a, b: np.tanh(x),
-    "clip": lambda x, a, b: np.clip(x, a, b),
-    "linear": lambda x, a, b: a * x + b,
-    "abs": lambda x, a, b: np.abs(x),
-    "round": lambda x, a, b: np.rint(x),
-    "swish": lambda x, a, b: x / (1 + np.exp(-a * x)),
-}
-
 
 def eltwise_fn(p: dict):
-    """``x -> f(x)`` of an eltwise op or post-op entry (float64)."""
+    """``x -> f(x)`` of an eltwise op or post-op entry (float64), by the graph runtime's numpy
+    table (its fallback when no kernel can be had): one definition of each algorithm."""
     f = ELTWISE[p.get("algorithm", "relu")]
     a, b = float(p.get("alpha", 0.0)), float(p.get("beta", 0.0))
     return lambda x: f(np.asarray(x, np.float64), a, b)
