@@ -96,6 +96,17 @@ def test_tune_measures_the_rule_variants_into_a_metaschedule_database(tuned):
     assert sch.get(sch.get_sblock("root")).annotations["blockpad.tuned"]
 
 
+def test_variants_are_timed_in_single_calls_with_all_but_the_source_flushed(tuned):
+    """A record holds ``COLD["repeat"]`` single calls (hot timing held one figure: the mean of
+    calls repeated for 40 ms), and the runner's flush spares the first argument, which must be
+    the source: the one a network hands over warm."""
+    db = ms.database.JSONDatabase(work_dir=str(tuned[0] / "host"), allow_missing=False)
+    assert {len(r.run_secs) for r in db.get_all_tuning_records()} == {tn.COLD["repeat"]}
+    assert tn.COLD["number"] == 1 and tn.COLD["enable_cpu_cache_flush"]
+    for req in SPEC.kernels:
+        assert make_kernels(req)[0].func.params[0].name == "src", req.name
+
+
 def test_rerun_skips_what_is_recorded_continues_to_more_trials_and_rebuilds(tuned, tmp_path):
     logs = copy_logs(tuned, tmp_path)
     records = logs / "host" / tr.DB_FILES[1]
