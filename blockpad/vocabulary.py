@@ -96,6 +96,9 @@ INVERTED_RESIDUAL_STAGES = (EXPAND, EXPANDED, DEPTHWISE, DEPTHWISE_OUT)
 #: an integer convolution's source zero-point compensation (codegen/ops/quant.py): the weights'
 #: sums per output channel and tap, and their table per border class (a matmul's: its sums)
 WEIGHT_SUMS, ZP_COMP = "zp_wsum", "zp_comp"
+#: a register tile's accumulators kept for their epilogue, which runs beside the next tile's
+#: reduction (schedules/interleave.py): the copy's block and its scratch buffer
+ACC_PREV = "acc_prev"
 
 # ---- attributes of generated functions -----------------------------------------------------
 

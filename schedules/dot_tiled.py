@@ -47,6 +47,9 @@ Weights of ``PREFETCH_BYTES`` or more (``prefetch`` rules: ``vpdpbusd``'s) come 
 on every inference: the panels of column blocks go outermost and each tile prefetches into L2
 its share of the next panel's weights, spread over its reduction (``prefetch.py``).
 
+A heavy epilogue (``interleave`` rules: ``vpdpbusd``'s) runs beside the next tile's dot
+products instead of after its own (``interleave.py``).
+
 Anything else returns None and the next rule in the target's table tries.
 The rewrites themselves, and ``DotShape`` (the nest read as ``j``, ``r``, ``t``, ``u``), are in
 ``dot_rewrites``.
@@ -65,6 +68,7 @@ from .common import REDUCE, SPATIAL, buffer_bytes, divisor_at_most, element_stri
 from .dot_rewrites import DotShape, lift_conditions, lift_weight_guard, pad_dot, set_predicate, take_predicate
 from .generic import root_blocks, spatial_parallel_vectorize
 from .halo import staged_source, subsampled_source
+from .interleave import interleave_epilogue
 from .nest import substitute, uses
 from .prefetch import PREFETCH_BYTES, panels_lead, prefetch_next_panel
 from .rule import ScheduleRule
@@ -84,6 +88,7 @@ class DotTiled(ScheduleRule):
     lanes: int
     tile: int
     prefetch = False   # large weights read panel by panel, the next one prefetched
+    interleave = False   # a heavy epilogue interleaved with the next tile's reduction
 
     def intrin(self, nest) -> str | None:
         raise NotImplementedError
@@ -107,7 +112,8 @@ class DotTiled(ScheduleRule):
             sch = schedule(func, target, functools.partial(self._tile, blocks=blocks,
                                                            ahead=ahead))
             if sch is not None:
-                return prefetch_next_panel(sch, *ahead[0]) if ahead else sch
+                sch = prefetch_next_panel(sch, *ahead[0]) if ahead else sch
+                return interleave_epilogue(sch) if self.interleave else sch
         return None
 
     def _tile(self, sch, acc, dst, nest, blocks, ahead):

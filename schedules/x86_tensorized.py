@@ -78,6 +78,7 @@ class Vnni(DotTiled):
 
     feature, lanes, tile = "avx512_vnni", 16, VNNI_TILE
     prefetch = True   # measured on Zen 4 (prefetch.prefetch_next_panel); the others not
+    interleave = True   # measured on Zen 4 (interleave.interleave_epilogue); the others not
 
     def __init__(self, reference: bool = False):
         self.reference = reference
