@@ -20,6 +20,7 @@ Measured in C first (``docs/experiments/int8_epilogue.c``: 0.89x of the 64 -> 25
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import tvm_ffi
 from tvm import s_tir, tirx
@@ -134,24 +135,21 @@ def _chunks(n: int) -> int:
 def interleave_epilogue(sch):
     """``sch`` with the epilogue of each register tile interleaved with the next tile's
     reduction (module docstring), or ``sch`` unchanged where its nest is not the shape this
-    takes: a parallel task loop whose body is the accumulators' nest then ``dst``'s, ``dst``
-    unpredicated under unrolled loops and one vectorized loop, reading the accumulator at its
-    own element only, and a reduction of at least as many steps as ``dst`` has vectors."""
+    takes (``_read``), the epilogue is light beside the reduction (``HEAVY``) or the tasks are
+    too few to run several tiles each (``_chunks``)."""
     func = sch.mod["main"]
     found = []
     tvm_ffi.structural_walk(func.body, (tirx.For, lambda f: found.append(f)
                                         if f.kind == tirx.ForKind.PARALLEL else None))
-    if len(found) != 1:
+    nest = _read(found[0]) if len(found) == 1 else None
+    if nest is None or nest.operations < HEAVY * nest.steps * _inner_steps(nest.chain[1]):
         return sch
-    task = found[0]
-    new = _rewrite(task)
-    if new is None:
+    tiles = _chunks(int(nest.task.extent))
+    if tiles < 2:
         return sch
-    scratch, stmt = new
-
-    def visit(f):
-        return stmt if f.same_as(task) else f
-    body = tvm_ffi.structural_map(func.body, (tirx.For, visit))
+    scratch, stmt = _rewrite(nest, tiles)
+    body = tvm_ffi.structural_map(func.body, (tirx.For, lambda f: stmt
+                                              if f.same_as(nest.task) else f))
     root = body.block   # the root block's realize: the new scratch joins its allocations
     body = s_tir.SBlockRealize(body.iter_values, body.predicate, s_tir.SBlock(
         root.iter_vars, root.reads, root.writes, root.name_hint, root.body, root.init,
@@ -159,94 +157,121 @@ def interleave_epilogue(sch):
     return s_tir.Schedule(func.with_body(body))
 
 
-def _rewrite(task):
-    """``(new scratch buffers, the new task loop)`` for ``task``, or None (see the caller)."""
+@dataclass(frozen=True)
+class _Nest:
+    """A task loop as ``_read`` found it: its body the accumulators' nest (``acc_part``, with
+    the reduction ``chain``: ``_reduction_chain``) then ``dst``'s (``loops`` around
+    ``realize``), ``dst`` reading the accumulator at its own element only (``acc_load``)."""
+
+    task: tirx.For
+    acc_part: tirx.Stmt
+    chain: tuple
+    loops: list
+    realize: s_tir.SBlockRealize
+    acc_load: TensorLoad
+
+    @property
+    def extents(self) -> list:
+        return [int(f.extent) for f in self.loops]
+
+    @property
+    def vectors(self) -> int:
+        """Output vectors of a tile: ``dst``'s loops but the vectorized one."""
+        return math.prod(self.extents[:-1])
+
+    @property
+    def steps(self) -> int:
+        """Iterations of the reduction chain."""
+        return math.prod(int(f.extent) for f in self.chain[0])
+
+    @property
+    def operations(self) -> int:
+        return _operations(self.realize.block.body.value)
+
+
+def _read(task) -> _Nest | None:
+    """The nest ``interleave_epilogue`` rewrites, or None: a body of the accumulators' nest
+    then ``dst``'s, ``dst`` unpredicated under unrolled loops and one vectorized loop, reading
+    the accumulator at its own element only, over a reduction of at least as many steps as a
+    tile has output vectors."""
     if not isinstance(task.body, tirx.SeqStmt) or len(task.body.seq) != 2:
         return None
     acc_part, dst_part = task.body.seq
     if DST in _names(acc_part) or _names(dst_part) != {DST}:
         return None
-    d_loops, realize = _loops(dst_part)
-    if not isinstance(realize, s_tir.SBlockRealize) or not d_loops \
+    loops, realize = _loops(dst_part)
+    if not isinstance(realize, s_tir.SBlockRealize) or not loops \
             or not is_true(realize.predicate) \
-            or d_loops[-1].kind != tirx.ForKind.VECTORIZED \
-            or any(f.kind != tirx.ForKind.UNROLLED for f in d_loops[:-1]):
+            or loops[-1].kind != tirx.ForKind.VECTORIZED \
+            or any(f.kind != tirx.ForKind.UNROLLED for f in loops[:-1]):
         return None
-    block = realize.block
-    acc_loads = []
-    tvm_ffi.structural_walk(block.body, (TensorLoad, lambda x: acc_loads.append(x)
-                                         if x.source.name == ACC else None))
-    if not acc_loads or any(not tvm_ffi.structural_equal(list(x.indices),
-                                                          list(acc_loads[0].indices))
-                            for x in acc_loads):
+    loads = []
+    tvm_ffi.structural_walk(realize.block.body, (TensorLoad, lambda x: loads.append(x)
+                                                 if x.source.name == ACC else None))
+    if not loads or any(not tvm_ffi.structural_equal(list(x.indices), list(loads[0].indices))
+                        for x in loads):
         return None
-    acc = acc_loads[0].source
-    extents = [int(f.extent) for f in d_loops]
-    vectors = math.prod(extents[:-1])
     chain = _reduction_chain(acc_part)
     if chain is None:
         return None
-    steps = math.prod(int(f.extent) for f in chain[0])
-    if steps < vectors or \
-            _operations(block.body.value) < HEAVY * steps * _inner_steps(chain[1]):
-        return None
-    tiles = _chunks(int(task.extent))
-    if tiles < 2:
-        return None
+    nest = _Nest(task, acc_part, chain, loops, realize, loads[0])
+    return nest if nest.steps >= nest.vectors else None
 
+
+def _rewrite(nest: _Nest, tiles: int):
+    """``(new scratch buffers, the new task loop)``: ``tiles`` register tiles a task, each
+    tile's epilogue spread over the next one's first reduction steps."""
+    task, realize, extents = nest.task, nest.realize, nest.extents
+    block, acc = realize.block, nest.acc_load.source
     prev = tirx.decl_buffer(extents, acc.dtype, ACC_PREV)
     w_vars = [tirx.Var(f"w{i}", "int32") for i in range(len(extents))]
     w_iters = [tirx.IterVar(Range(0, n), v, 0) for v, n in zip(w_vars, extents)]
     w_region = tirx.BufferRegion(prev, [Range.from_min_extent(v, 1) for v in w_vars])
+    # dst reading the accumulator from prev (its element's place in the tile: new iterators
+    # bound to dst's loops), and the copy of the accumulator into prev
+    epi = s_tir.SBlock(
+        list(block.iter_vars) + w_iters,
+        [w_region if r.source.same_as(acc) else r for r in block.reads], block.writes,
+        block.name_hint, tvm_ffi.structural_map(block.body, (TensorLoad, lambda x: tirx.BufferLoad(
+            prev, w_vars) if x.source.same_as(acc) else x)))
+    copy = s_tir.SBlock(list(block.iter_vars) + w_iters,
+                        [next(r for r in block.reads if r.source.same_as(acc))], [w_region],
+                        ACC_PREV, tirx.BufferStore(prev, nest.acc_load, w_vars))
+    loop_vars = [f.loop_var for f in nest.loops]
 
-    def from_prev(dst_block):
-        body = tvm_ffi.structural_map(dst_block.body, (TensorLoad, lambda x: tirx.BufferLoad(
-            prev, w_vars) if x.source.same_as(acc) else x))
-        reads = [w_region if r.source.same_as(acc) else r for r in dst_block.reads]
-        return s_tir.SBlock(list(dst_block.iter_vars) + w_iters, reads, dst_block.writes,
-                            dst_block.name_hint, body)
-
-    acc_region = next(r for r in block.reads if r.source.same_as(acc))
-    copy = s_tir.SBlock(list(block.iter_vars) + w_iters, [acc_region], [w_region], ACC_PREV,
-                        tirx.BufferStore(prev, acc_loads[0], w_vars))
-    loop_vars = [f.loop_var for f in d_loops]
-
-    def nest(blk, values):
-        """The ``dst`` nest around ``blk``, its outer loops set to ``values`` (constants)."""
+    def around(blk, values=()):
+        """``dst``'s nest around ``blk``, its outer loops set to ``values`` (constants)."""
         inner = s_tir.SBlockRealize(list(realize.iter_values) + loop_vars, realize.predicate,
                                     blk)
         fixed = {v: tirx.const(x, "int32") for v, x in zip(loop_vars, values)}
-        return _renew(_wrap(d_loops[len(values):], substitute(inner, fixed)))
-
-    f = task.loop_var
-    c = tirx.Var(f.name + "_c", f.ty)
-    t = tirx.Var(f.name + "_t", f.ty)
-    cur = c * tiles + t
-    epi = from_prev(block)
+        return _renew(_wrap(nest.loops[len(values):], substitute(inner, fixed)))
 
     def vector(e):
+        """Output vector ``e`` of a tile's epilogue (``dst``'s unrolled loops at ``e``)."""
         idx = []
         for n in reversed(extents[:-1]):
             idx.append(e % n)
             e //= n
-        return nest(epi, list(reversed(idx)))
+        return around(epi, list(reversed(idx)))
 
-    per_step = [[] for _ in range(steps)]   # the previous tile's vectors, spread evenly
-    for e in range(vectors):
-        per_step[e * steps // vectors].append(substitute(vector(e), {f: cur - 1}))
-    acc_new = _interleave(acc_part, chain, per_step)
-    copied = nest(copy, [])
+    f = task.loop_var
+    c, t = tirx.Var(f.name + "_c", f.ty), tirx.Var(f.name + "_t", f.ty)
+    cur = c * tiles + t
+    per_step = [[] for _ in range(nest.steps)]   # the previous tile's vectors, spread evenly
+    for e in range(nest.vectors):
+        per_step[e * nest.steps // nest.vectors].append(substitute(vector(e), {f: cur - 1}))
+    copied = around(copy)
     # the first tile has no epilogue before it to interleave: its reduction as it was (a
     # branch on the tile instead kept LLVM from interleaving: it sank the dot products below
-    # the guarded epilogue vectors)
-    # ... and its own accumulator buffer: one buffer accessed both there and in the loop would
-    # be allocated for every tile the task walks (in memory, not registers)
+    # the guarded epilogue vectors), with its own accumulator buffer (one buffer accessed both
+    # there and in the loop of tiles is allocated for every tile a task walks, in memory)
     acc0 = tirx.decl_buffer(acc.shape, acc.dtype, acc.name)
-    first = _rebuffer(_renew(tirx.SeqStmt([substitute(acc_part, {f: c * tiles}),
+    first = _rebuffer(_renew(tirx.SeqStmt([substitute(nest.acc_part, {f: c * tiles}),
                                            substitute(copied, {f: c * tiles})])), acc, acc0)
     rest = tirx.For(t, 1, tiles - 1, tirx.ForKind.SERIAL, tirx.SeqStmt(
-        [substitute(acc_new, {f: cur}), _renew(substitute(copied, {f: cur}))]))
-    last = substitute(nest(epi, []), {f: c * tiles + (tiles - 1)})   # from prev, after the loop
+        [substitute(_interleave(nest.acc_part, nest.chain, per_step), {f: cur}),
+         _renew(substitute(copied, {f: cur}))]))
+    last = substitute(around(epi), {f: c * tiles + (tiles - 1)})   # from prev, after the loop
     return [prev, acc0], tirx.For(c, 0, int(task.extent) // tiles, tirx.ForKind.PARALLEL,
                                   tirx.SeqStmt([first, rest, last]), task.thread_binding,
                                   task.annotations)
