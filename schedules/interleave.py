@@ -9,12 +9,14 @@ beside them: ~210 instructions for a 7 x 2 tile, more than the scheduler holds, 
 tile's dot products wait for it to drain. LLVM does not interleave the two on its own.
 
 ``interleave_epilogue`` rewrites the scheduled loop nest so that each task runs ``tiles``
-register tiles in sequence: tile ``t``'s accumulators are copied into a scratch (``prev``) when
-its reduction ends, and tile ``t + 1``'s first reduction steps each run one output vector of
-tile ``t``'s epilogue from that scratch; the task's last tile runs its epilogue after it. The
-same blocks, bindings and buffers as before, in another order: the results are bit-identical.
-Measured in C first (``docs/experiments/int8_epilogue.c``: 0.89x of the 64 -> 256 1x1 at
-56x56 on Zen 4); the figures of this rewrite are in docs/performance.md.
+register tiles in sequence: tile ``t``'s accumulators are copied into a scratch
+(``ACC_PREV``) when its reduction ends, and tile ``t + 1``'s first reduction steps each run one
+output vector of tile ``t``'s epilogue from that scratch; the task's first tile runs as before,
+its last one's epilogue after the loop. The same blocks, bindings and buffers as before, in
+another order: the results are bit-identical. Measured in C first
+(``docs/experiments/int8_epilogue.c``: 0.89x of the 64 -> 256 1x1 at 56x56 on Zen 4), then as
+generated on Zen 4 only (int8 ResNet-50 0.982x at 1 thread; docs/performance.md); an Intel
+core (``vpdpbusd`` and the FMAs on the same two ports) was not at hand.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .nest import substitute
 TILES = 8
 #: interleave where ``dst`` computes at least this many operations an element per reduction
 #: step (int8 ResNet-50 on Zen 4, each kernel alone, the rewrite against none: the residual
-#: 1x1s with 17 operations over 16, 32 and 64 steps 0.91-0.93x, 0.90-0.97x, 0.95x; over 128
+#: 1x1s with 18 operations over 16, 32 and 64 steps 0.91-0.93x, 0.90-0.97x, 0.95x; over 128
 #: steps 0.97-1.03x; a plain 1x1's 9 over 16 steps 0.96x, over 64 1.02-1.07x)
 HEAVY = 0.25
 #: a task loop of fewer chunks than this (after grouping its tiles) is left as it is
