@@ -32,7 +32,7 @@ from tvm.ir.expr import Call, TensorLoad
 from blockpad.vocabulary import ACC, ACC_PREV, DST
 
 from .common import is_true
-from .nest import substitute
+from .nest import definitions, substitute
 
 #: register tiles a task runs in sequence: the last one's epilogue runs alone
 TILES = 8
@@ -63,13 +63,10 @@ def _wrap(loops, inner):
 
 
 def _renew(stmt):
-    """``stmt`` with new vars for the loops and block iterators it defines, and new match
+    """``stmt`` with new vars for what it defines (``nest.definitions``) and new match
     buffers: a copy may not share its definitions with the original."""
-    defs = []
-    tvm_ffi.structural_walk(stmt, (tirx.For, lambda f: defs.append(f.loop_var)))
-    tvm_ffi.structural_walk(stmt, (s_tir.SBlock, lambda b: defs.extend(
-        iv.var for iv in b.iter_vars)))
-    return _renew_match_buffers(substitute(stmt, {v: tirx.Var(v.name, v.ty) for v in defs}))
+    fresh = {v: tirx.Var(v.name, v.ty) for v in definitions(stmt)}
+    return _renew_match_buffers(substitute(stmt, fresh))
 
 
 def _rebuffer(stmt, old, new):
@@ -98,14 +95,9 @@ def _renew_match_buffers(stmt):
             m.buffer.shape, m.buffer.dtype, m.buffer.name, strides=list(m.buffer.strides),
             data_alignment=m.buffer.data_alignment, offset_factor=m.buffer.offset_factor))
             for m in b.match_buffers]
-
-        def new(buf):
-            return next((n for o, n in pairs if buf.same_as(o)), None)
-        body = tvm_ffi.structural_map(b.body, (TensorLoad, lambda x: x if new(x.source) is None
-                                               else tirx.BufferLoad(new(x.source), x.indices)))
-        body = tvm_ffi.structural_map(body, (tirx.BufferStore, lambda x: x
-                                             if new(x.buffer) is None else
-                                             tirx.BufferStore(new(x.buffer), x.value, x.indices)))
+        body = b.body
+        for old, new in pairs:
+            body = _rebuffer(body, old, new)
         return s_tir.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init,
                             b.alloc_buffers,
                             [s_tir.MatchBufferRegion(n, m.source)

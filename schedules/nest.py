@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tvm
 import tvm_ffi
-from tvm import tirx
+from tvm import s_tir, tirx
 from tvm.sym.analyzer import Analyzer
 
 MAX_PROFILE = 1 << 13   # analyzer queries allowed to find where one loop's conditions change
@@ -84,6 +84,18 @@ class Nest:
 
 def uses(expr, var) -> bool:
     return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
+
+
+def definitions(stmt) -> list:
+    """The vars ``stmt`` defines: its loops', its blocks' iterators and its ``Let``s' (the
+    epilogue's bound values, ``postops.Chain``). A copy of ``stmt`` beside it needs fresh ones:
+    TIR defines each var once."""
+    out = []
+    tvm_ffi.structural_walk(stmt, [(tirx.For, lambda f: out.append(f.loop_var)),
+                                   (s_tir.SBlock, lambda b: out.extend(iv.var
+                                                                       for iv in b.iter_vars)),
+                                   (tirx.Let, lambda e: out.append(e.var))])
+    return out
 
 
 def substitute(expr, mapping: dict):

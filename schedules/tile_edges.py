@@ -18,7 +18,7 @@ from tvm.sym.analyzer import Analyzer
 from blockpad.vocabulary import ACC, DST
 
 from .common import count_iters
-from .nest import substitute
+from .nest import definitions, substitute
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 CLAMPED_ROWS = 6   # the most rows of a tile that may read a clamped row (``edge_parts``)
@@ -193,10 +193,7 @@ def _range(nest, back, start, suffix=None, scratch=None):
     d = count_iters(realize[0].block) - back
     loop_var, var, extent = realize[0].iter_values[d], ivs[d].var, int(ivs[d].dom.extent)
     if suffix is not None:
-        loops, lets = [], []   # and the epilogue's bound values (postops.Chain): SSA
-        tvm_ffi.structural_map(nest, [(tirx.For, lambda f: loops.append(f.loop_var) or f),
-                                      (tirx.Let, lambda e: lets.append(e.var) or e)])
-        fresh = {x: tirx.Var(x.name, x.ty) for x in [*loops, *(iv.var for iv in ivs), *lets]}
+        fresh = {x: tirx.Var(x.name, x.ty) for x in definitions(nest)}
         fresh.update(scratch)
         nest = tvm_ffi.structural_map(
             nest, (tirx.Var, lambda x: next((n for o, n in fresh.items() if o.same_as(x)), x)))
