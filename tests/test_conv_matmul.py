@@ -49,9 +49,9 @@ CASES = {
     "from_8c": {"op": "conv2d", "shape": [1, 24, 6, 7], "channels": 37, "kernel": [3, 3],
                 "pad": [1, 1], "src": "nChw8c", "weights": "OIhw8i16o", "dst": "nChw16c",
                 "post_ops": [{"kind": "bias"}, RELU]},
-    # 164 channels: a 3x3 reduces over all 176 of the blocks (168 would save under 5%:
+    # 170 channels: a 3x3 reduces over all 176 of the blocks (170 would save under 5%:
     # reduced_channels), so the source's padding must hold zeros (garbage under "src")
-    "whole_blocks_3x3": {"op": "conv2d", "shape": [1, 164, 4, 5], "channels": 20,
+    "whole_blocks_3x3": {"op": "conv2d", "shape": [1, 170, 4, 5], "channels": 20,
                          "kernel": [3, 3], "pad": [1, 1], **BLK16, "post_ops": [RELU]},
     "plain_dilated": {"op": "conv2d", "shape": [1, 5, 9, 8], "channels": 6, "kernel": [3, 3],
                       "pad": [2, 2], "dilation": [2, 2], "src": "nchw", "weights": "oihw",
@@ -121,19 +121,20 @@ POLICY_CASES = {   # the policies beside dst_fused, on the cases where they diff
 RUNS = [("dst_fused", c) for c in CASES] + [(p, c) for p, cs in POLICY_CASES.items() for c in cs]
 
 
-@pytest.mark.parametrize("c,taps,reduced", [(24, 9, 24), (164, 1, 168), (164, 9, 176),
-                                             (450, 9, 464), (450, 1, 456), (40, 9, 40)])
-def test_a_float_kernel_of_several_taps_reduces_over_whole_blocks_where_8_saves_little(
-        c, taps, reduced):
-    """``reduced_channels``: channels rounded up to 8 (24 on nChw16c: a third of the work),
-    but whole blocks for a kernel of several taps where 8 saves under 5% (its passes walked
-    each tap's weights half a block at a time: 450 -> 334 3x3 1.454 -> 1.282 ms in the
-    pruned ResNet-50, Zen 4)."""
+@pytest.mark.parametrize("c,taps,step,reduced", [
+    (24, 9, 8, 24), (164, 1, 8, 168), (164, 9, 8, 176), (450, 9, 8, 464), (450, 1, 8, 456),
+    (40, 9, 8, 40), (41, 1, 1, 41), (213, 1, 1, 213), (164, 9, 1, 164), (450, 9, 1, 464)])
+def test_a_kernel_of_several_taps_reduces_over_whole_blocks_where_its_channels_save_little(
+        c, taps, step, reduced):
+    """``reduced_channels``: the logical channels rounded up to ``step`` (41 on nChw16c: 7
+    zeros of 48 a pixel; 24 rounded to 8: a third of the work), but whole blocks for a kernel
+    of several taps where they add under 5% (its passes walked each tap's weights half a
+    block at a time: 450 -> 334 3x3 1.454 -> 1.282 ms in the pruned ResNet-50, Zen 4)."""
     from blockpad.codegen.ops.common import reduced_channels
 
     src = bp.Layout("nChw16c", (1, c, 7, 7))
     weights = bp.Layout("OIhw16i16o", (32, c, 3, 3))
-    assert reduced_channels(c, src, weights, 8, taps) == reduced
+    assert reduced_channels(c, src, weights, step, taps) == reduced
 
 
 @pytest.fixture(scope="module")
@@ -427,14 +428,16 @@ def test_int8_output_scale_keeps_zeros():
 
 
 def test_src_policy_contract():
-    """Blocked conv and matmul reduce over padded channel blocks: masking would sit in the
-    innermost loop, so they ask for clean sources (a zero-pad stage); grouped conv reduces
-    exactly and masks its reads instead."""
-    for case in ("blk16_chain", "mm_blocked"):
+    """A conv or matmul that reduces over padded channel blocks (a 3x3 over 170 channels takes
+    all 176, a blocked matmul its whole blocks) asks for clean sources (a zero-pad stage):
+    masking would sit in the innermost loop. A float conv over its logical channels (30 of
+    32) and a grouped conv reduce exactly and mask their reads instead."""
+    for case in ("whole_blocks_3x3", "mm_blocked"):
         c = _kernels(CASES[case], "src")[0].contract
         assert c["src_stage"] is True and c["requires"] == "clean" and c["reads"] == "trusted"
-    c = _kernels(CASES["groups2"], "src")[0].contract
-    assert c["src_stage"] is False and c["requires"] == "any" and c["reads"] == "masked"
+    for case in ("blk16_chain", "groups2"):
+        c = _kernels(CASES[case], "src")[0].contract
+        assert c["src_stage"] is False and c["requires"] == "any" and c["reads"] == "masked"
 
 
 def _acc_block(script):

@@ -17,11 +17,12 @@ from blockpad.vocabulary import CLEAN_AFTER_CALL, POLICIES
 
 from .reference import conv_reference, eltwise
 
-SRC = bp.Layout("nChw8c", (1, 5, 4, 4))     # 5 channels of 8: 3 padding channels (more than half a
-#                                              block, so a graph reads it blocked, not plain)
+C = 23                                      # 23 channels of 24: a 3x3 reduces over the whole
+SRC = bp.Layout("nChw8c", (1, C, 4, 4))     # blocks, padding included (reduced_channels)
+W = (6, C, 3, 3)
 DST = ACT = bp.Layout("nChw8c", (1, 6, 4, 4))   # 6 of 8 channels: padding too
-CONV = {"op": "conv2d", "shape": [1, 5, 4, 4], "channels": 6, "kernel": [1, 1], "stride": [1, 1],
-        "pad": [0, 0], "dilation": [1, 1], "groups": 1, "src": "nChw8c", "weights": "OIhw8i8o",
+CONV = {"op": "conv2d", "shape": [1, C, 4, 4], "channels": 6, "kernel": [3, 3], "stride": [1, 1],
+        "pad": [1, 1], "dilation": [1, 1], "groups": 1, "src": "nChw8c", "weights": "OIhw8i8o",
         "dst": "nChw8c"}
 ELT = {"op": "eltwise", "shape": [1, 6, 4, 4], "src": "nChw8c", "dst": "nChw8c"}
 PATHS = ("direct", "bound", "stream", "graph")
@@ -31,7 +32,7 @@ PATHS = ("direct", "bound", "stream", "graph")
 def lib(tmp_path_factory):
     d = tmp_path_factory.mktemp("states")
     kernels = [{**CONV, "name": f"conv_{p}", "policy": p} for p in POLICIES] + [
-        {"op": "reorder", "name": "pack_w", "shape": [6, 5, 1, 1], "src": "oihw",
+        {"op": "reorder", "name": "pack_w", "shape": list(W), "src": "oihw",
          "dst": "OIhw8i8o"},
         {"op": "reorder", "name": "unpack", "shape": [1, 6, 4, 4], "src": "nChw8c",
          "dst": "nchw"},
@@ -74,7 +75,7 @@ def _run(lib, policy, path, src, w, dst):
         stream.wait()
     else:
         g = bp.Graph(policy=policy, libraries=[lib])
-        g.output(g.conv2d(g.input("x", SRC.shape), g.constant("w", w), name="y"))
+        g.output(g.conv2d(g.input("x", SRC.shape), g.constant("w", w), pad=1, name="y"))
         res = g.run(x=src)
         assert res.report.cache["compiles"] == 0   # the library's kernels, nothing else
         return res["y"].numpy()
@@ -88,7 +89,7 @@ def test_a_source_not_known_clean_is_zero_padded(lib, policy, path, state, rng):
     """The issue's case: NaN in a source's channel padding gave an all-NaN convolution (and a
     destination marked clean) under dst_fused; now every policy and path gives numpy's."""
     x = rng.standard_normal(SRC.shape).astype("float32")
-    w = rng.standard_normal((6, 5, 1, 1)).astype("float32")
+    w = rng.standard_normal(W).astype("float32")
     src = _dirty_source(x, state)
     dst = bp.Memory.zeros(DST)
     got = _run(lib, policy, path, src, w, dst)
@@ -108,7 +109,7 @@ def test_destination_state_is_what_the_kernel_left(lib, policy, rng):
     it clean (or dirty, if it writes non-zeros there), one that preserves padding leaves it
     dirty; a state ``clean`` always means zero padding."""
     x = rng.standard_normal(SRC.shape).astype("float32")
-    w = rng.standard_normal((6, 5, 1, 1)).astype("float32")
+    w = rng.standard_normal(W).astype("float32")
     dst = bp.Memory(DST, np.full(DST.alloc_len, np.nan, "float32"), "dirty", library=None)
     lib[f"conv_{policy}"](bp.Memory.from_numpy(x, SRC), _packed_weights(w), dst)
     contract = lib.kernels[f"conv_{policy}"].padding
@@ -122,7 +123,7 @@ def test_destination_state_is_what_the_kernel_left(lib, policy, rng):
 
 def test_a_clean_source_costs_no_zero_pad(lib, rng):
     x = rng.standard_normal(SRC.shape).astype("float32")
-    w = _packed_weights(rng.standard_normal((6, 5, 1, 1)).astype("float32"))
+    w = _packed_weights(rng.standard_normal(W).astype("float32"))
     src, dst = bp.Memory.from_numpy(x, SRC), bp.Memory.zeros(DST)
     call = lib["conv_dst_fused"].bind(src, w, dst)
     with counters.scope() as stats:
@@ -141,7 +142,7 @@ def test_a_physical_array_is_zero_padded_or_refused_when_read_only(lib, rng):
     """An array carries no state: its padding is zeroed before a kernel that requires clean
     sources; a read-only one cannot be, and the error says what to do."""
     x = rng.standard_normal(SRC.shape).astype("float32")
-    w = rng.standard_normal((6, 5, 1, 1)).astype("float32")
+    w = rng.standard_normal(W).astype("float32")
     raw = _dirty_source(x, "unknown").buffer[:SRC.alloc_len].reshape(SRC.physical_shape)
     dst = bp.Memory.zeros(DST)
     lib["conv_dst_fused"](raw, _packed_weights(w), dst)

@@ -329,18 +329,22 @@ WHOLE_BLOCKS_SAVING = 20
 def reduced_channels(c: int, src: Layout, weights: Layout, step: int | None,
                      taps: int = 1) -> int:
     """The channels a convolution's reduction runs over, of ``c`` logical ones: the channels
-    both the source and the weights pad to (whole blocks, zeros there, instead of a tail loop),
-    at most ``c`` rounded up to ``step`` (None: whole blocks). Floating-point kernels take 8:
-    24 channels on ``nChw16c`` multiplied 8 zeros a pixel (AVX2, 1 thread: a 1x1 24 -> 144 at
-    56x56 0.395 -> 0.312 ms, a 3x3 24 -> 64 at 28x28 0.327 -> 0.254, a 1x1 40 -> 240 at 28x28
-    0.215 -> 0.184, the inverted residual's 56x56 blocks 1.04 -> 0.95 ms and 0.53 -> 0.43).
-    But not a kernel of several ``taps`` where 8 saves under 5%: a reduction in passes of 8
-    channels walks each tap's weights half a block at a time, which the hardware prefetcher
-    follows badly when they come from memory: the pruned ResNet-50's 3x3 450 -> 334 stride 2
-    at 14x14 in the network (Zen 4, 1 thread) 1.454 -> 1.282 ms over 464 channels instead of
-    456, against 1.280 -> 1.245 with its weights read into cache just before. Integer and bf16
-    kernels keep whole blocks: their dot products take 4 or 2 channels a step from packed
-    weights."""
+    both the source and the weights pad to (whole blocks, zeros there), at most ``c`` rounded
+    up to ``step`` (None: whole blocks). Floating-point direct convolutions take ``step`` 1,
+    the last block's channels a tail their schedule peels off (``register_tiled``'s
+    ``_block_steps``); the inverted residual's expansion takes 8 (its schedule has no tail).
+    Measured on a Zen 4 (avx512, 1 thread, one kernel alone, medians of 200 calls, us, over
+    the logical channels / rounded up to 8 / whole blocks): 1x1 41 -> 213 at 56x56 620 / 722 /
+    708, 3x3 stride 2 101 -> 90 at 56x56 1506 / 1530 / 1608, 166 -> 175 at 28x28 1068 / 1096 /
+    1110; the channel-pruned ResNet-50 with every 1x1 over its logical channels 0.991x (whole
+    inferences alternating) of the build that rounded them up to 8, 0.992x of one that took
+    whole blocks where they add under 5%. Rounding up to 8 first paid on AVX2 (24 channels on
+    ``nChw16c`` multiplied 8 zeros a pixel: a 1x1 24 -> 144 at 56x56 0.395 -> 0.312 ms).
+    But a kernel of several ``taps`` takes whole blocks where they add under 5%: its panel's
+    weights may overflow L2, and its reduction passes (``chunk_plan``) take whole blocks
+    (the pruned ResNet-50's 3x3 450 -> 334 stride 2 at 14x14: 1.454 -> 1.282 ms in the network
+    over 464 channels instead of 456). Integer and bf16 kernels keep whole blocks: their dot
+    products take 4 or 2 channels a step from packed weights."""
     whole = min(src.padded_shape[1], weights.padded_shape[1])
     if step is None:
         return whole

@@ -140,9 +140,9 @@ def make(layouts, name, policy, channels=None, kernel=(1, 1), stride=(1, 1), pad
     (sh, sw), (dh, dw), (kh, kw) = geo.stride, geo.dilation, geo.kernel
     ph, pw = (before for before, _ in geo.pad)
     cg, kg = geo.c // groups, geo.k // groups
-    # groups = 1: reduce over the channel blocks source and weights both have (float32: at most
-    # the channels rounded up to 8)
-    c_red = reduced_channels(cg, src, wei, 8 if src.dtype == "float32" else None,
+    # groups = 1: reduce over the channel blocks source and weights both have (float32: over
+    # the logical channels, but a kernel of several taps where they save little)
+    c_red = reduced_channels(cg, src, wei, 1 if src.dtype == "float32" else None,
                              geo.kernel[0] * geo.kernel[1]) if groups == 1 else cg
     reduces_over_padding = c_red > cg
     halo_covers = all(p[0] <= h[0] and p[1] <= h[1]
