@@ -1,9 +1,10 @@
 """Rewriting the TIR of a register-tiled convolution or matmul at its edges (the second half
 of ``register_tiled``'s job; that module chooses and applies the tiles): a stage computed over
 whole tiles (``whole_tiles``: clamped rows, columns into the blocked layout's padding), the
-predicate of a scratch stage dropped (``unpredicated``), and the last rows and columns cut off
+predicate of a scratch stage dropped (``unpredicated``), the last rows and columns cut off
 into stage pairs of their own (``edge_parts``, through ``_cut``, ``_range`` and ``_shift``)
-where tiling them with the rest would cost.
+where tiling them with the rest would cost, and a last channel block that is half padding
+computed in half vectors (``half_block``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 CLAMPED_ROWS = 6   # the most rows of a tile that may read a clamped row (``edge_parts``)
 
 
-def edge_parts(func, cfg, panel=None):
+def edge_parts(func, cfg, panel=None, half=False):
     """(``func``, its ``[(acc, dst, Config)]`` stage pairs to tile): ``acc`` and ``dst``, and
     where whole tiles leave some over, the rest cut off (``_cut``) as pairs of their own:
 
@@ -45,7 +46,7 @@ def edge_parts(func, cfg, panel=None):
       fall back to one vector (25% at 1000^3). A panel that overhangs by whole vectors
       (1000 = 62 x 16 + 8 on AVX2) keeps them: their predicate is the same for every lane, the
       stores stay vector stores."""
-    func, parts = panel_parts(func, cfg, panel)
+    func, parts = panel_parts(func, cfg, panel, half=half)
     rows = extent(func, DST, 2)
     if cfg.mr > CLAMPED_ROWS and rows > cfg.mr and rows % cfg.mr:
         for acc, dst, c in list(parts):
@@ -61,10 +62,16 @@ def edge_parts(func, cfg, panel=None):
     return func, parts
 
 
-def panel_parts(func, cfg, panel, acc=ACC, dst=DST):
+def panel_parts(func, cfg, panel, acc=ACC, dst=DST, half=False):
     """(``func``, ``[(acc, dst, cfg)]`` and, where ``cfg.mu`` blocks a tile leave some of the
     ``panel`` dim's blocks over, the part that takes them): ``edge_parts``'s first cut, also
-    the Winograd GEMM's (schedules/winograd.py)."""
+    the Winograd GEMM's (schedules/winograd.py). ``half``: the last block computed in half
+    vectors where its second half is padding (``half_block``)."""
+    halved = half_block(func, cfg, panel, acc, dst) if half else None
+    if halved is not None:
+        func, half_part = halved
+        func, parts = panel_parts(func, cfg, panel, acc, dst)
+        return func, [*parts, half_part]
     parts = [(acc, dst, cfg)]
     blocks = extent(func, dst, panel) if panel is not None else 1
     if cfg.mu > 1 and blocks % cfg.mu:
@@ -72,6 +79,70 @@ def panel_parts(func, cfg, panel, acc=ACC, dst=DST):
         parts.append((acc + "_panels", dst + "_panels",
                       dataclasses.replace(cfg, mu=blocks % cfg.mu)))
     return func, parts
+
+
+def half_block(func, cfg, panel, acc=ACC, dst=DST):
+    """(``func`` with the last block of the ``panel`` dim cut off into a pair of its own
+    computed in vectors of half the lanes, ``(acc, dst, cfg)`` of that pair), or None. Taken
+    where a vector is one whole channel block and the block's second half is all padding
+    whose value ``dst`` does not read from ``acc`` (a ``select`` plan stores zeros there, a
+    ``valid`` one nothing): 213 channels are 13 blocks of 16 and 5 channels, which 8 lanes
+    hold. The padding half becomes a store of its value (``_drop_dead_acc``); the reduction
+    runs over the first half only. On cores that run a 512-bit FMA as two 256-bit halves
+    (Zen 4) a ymm FMA costs half a zmm one (``blockpad.channel_blocks``)."""
+    lanes = cfg.lanes
+    if panel is None or cfg.nr != lanes or lanes % 2 or extent(func, dst, 1) != lanes:
+        return None
+    blocks = extent(func, dst, panel)
+    if blocks < 2:
+        return None
+    cut = _cut(func, acc, dst, panel, blocks - 1, "_half")
+    a, d = acc + "_half", dst + "_half"
+    cut = _drop_dead_acc(_cut(cut, a, d, 1, lanes // 2, "_pad"), a + "_pad", d + "_pad")
+    if cut is None:
+        return None
+    return cut, (a, d, dataclasses.replace(cfg, nr=lanes // 2, mu=1))
+
+
+def _drop_dead_acc(func, acc, dst):
+    """``func`` without stage ``acc`` where ``dst`` never reads it over its ranges (its value
+    there a constant, or its predicate false: then without ``dst`` too), else None."""
+    realize = realize_of(func, dst)
+    blk = realize.block
+    acc_buf = realize_of(func, acc).block.writes[0].source
+    ana = Analyzer()
+    loops = []
+    tvm_ffi.structural_map(func.body, (tirx.For, lambda f: loops.append(f) or f))
+    for f in loops:
+        ana.bind(f.loop_var, tvm.ir.Range.from_min_extent(f.min, f.extent))
+    for iv in blk.iter_vars:
+        ana.bind(iv.var, iv.dom)
+    store = blk.body
+    value = ana.simplify(store.value)
+    reads = []
+    tvm_ffi.structural_map(value, (tvm.ir.expr.TensorLoad, lambda l: reads.append(l) or l))
+    dead = ana.can_prove(tirx.Not(realize.predicate))
+    if not dead and any(r.source.same_as(acc_buf) for r in reads):
+        return None
+    blk = s_tir.SBlock(blk.iter_vars, [r for r in blk.reads
+                                       if any(r.source.same_as(x.source) for x in reads)],
+                       blk.writes, blk.name_hint,
+                       tirx.BufferStore(store.buffer, value, store.indices), blk.init,
+                       blk.alloc_buffers, blk.match_buffers, blk.annotations)
+    root = func.body.block
+    body = []
+    for stmt in (list(root.body) if isinstance(root.body, tirx.SeqStmt) else [root.body]):
+        names = [r.block.name_hint for r in _realizes(stmt)]
+        if acc in names or dead and dst in names:
+            continue
+        body.append(tvm_ffi.structural_map(stmt, (s_tir.SBlockRealize, lambda r: r if
+                    r.block.name_hint != dst else s_tir.SBlockRealize(r.iter_values,
+                                                                      r.predicate, blk))))
+    root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
+                        tirx.SeqStmt(body) if len(body) > 1 else body[0], root.init,
+                        [b for b in root.alloc_buffers if not b.same_as(acc_buf)],
+                        root.match_buffers, root.annotations)
+    return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
 
 
 def extent(func, name, back) -> int:
@@ -145,9 +216,14 @@ def whole_tiles(func, name, mr, nr):
 
 def realize_of(func, name):
     """The ``SBlockRealize`` of block ``name`` in ``func``."""
-    realizes = []
-    tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
-    return next(r for r in realizes if r.block.name_hint == name)
+    return next(r for r in _realizes(func) if r.block.name_hint == name)
+
+
+def _realizes(node) -> list:
+    """Every ``SBlockRealize`` in ``node``."""
+    out = []
+    tvm_ffi.structural_map(node, (s_tir.SBlockRealize, lambda r: out.append(r) or r))
+    return out
 
 
 def _cut(func, acc, dst, back, width, suffix):
@@ -164,10 +240,7 @@ def _cut(func, acc, dst, back, width, suffix):
                                 str(acc_buf.ty.dtype), acc_buf.name + suffix)
     main, edge, last = [], [], 0
     for stmt in stmts:
-        realizes = []
-        tvm_ffi.structural_map(stmt, (s_tir.SBlockRealize,
-                                      lambda r: realizes.append(r) or r))  # noqa: B023 (run now)
-        if any(r.block.name_hint in (acc, dst) for r in realizes):
+        if any(r.block.name_hint in (acc, dst) for r in _realizes(stmt)):
             main.append(_range(stmt, back, width))
             edge.append(_range(stmt, back, width, suffix, {acc_buf: edge_buf}))
             last = len(main)
