@@ -118,6 +118,8 @@ def _drop_dead_acc(func, acc, dst):
     for iv in blk.iter_vars:
         ana.bind(iv.var, iv.dom)
     store = blk.body
+    if not isinstance(store, tirx.BufferStore):
+        return None
     value = ana.simplify(store.value)
     reads = []
     tvm_ffi.structural_map(value, (tvm.ir.expr.TensorLoad, lambda l: reads.append(l) or l))
