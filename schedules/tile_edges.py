@@ -72,8 +72,10 @@ def panel_parts(func, cfg, panel, acc=ACC, dst=DST, half=False):
         func, half_part = halved
         func, parts = panel_parts(func, cfg, panel, acc, dst)
         return func, [*parts, half_part]
-    parts = [(acc, dst, cfg)]
     blocks = extent(func, dst, panel) if panel is not None else 1
+    if blocks < cfg.mu:   # what ``half_block`` left of two blocks
+        return func, [(acc, dst, dataclasses.replace(cfg, mu=blocks))]
+    parts = [(acc, dst, cfg)]
     if cfg.mu > 1 and blocks % cfg.mu:
         func = _cut(func, acc, dst, panel, blocks // cfg.mu * cfg.mu, "_panels")
         parts.append((acc + "_panels", dst + "_panels",

@@ -74,7 +74,7 @@ def _run(lib, policy, path, src, w, dst):
         kernel(src, _packed_weights(w), dst, stream=stream)
         stream.wait()
     else:
-        g = bp.Graph(policy=policy, libraries=[lib])
+        g = bp.Graph(policy=policy, libraries=[lib], block=8)   # the library's blocks
         g.output(g.conv2d(g.input("x", SRC.shape), g.constant("w", w), pad=1, name="y"))
         res = g.run(x=src)
         assert res.report.cache["compiles"] == 0   # the library's kernels, nothing else
