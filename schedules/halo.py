@@ -20,6 +20,7 @@ from tvm.sym.analyzer import Analyzer
 from blockpad.vocabulary import ACC
 
 from .common import SPATIAL
+from .nest import realizes, with_root
 
 _IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 
@@ -67,12 +68,8 @@ def _with_stage(func, buf, src, copy, old, new_read, new_region):
     body = _replace_guard(func.body.block.body, old, new_read(staged), lambda reads: [
         tirx.BufferRegion(staged, new_region(reg)) if reg.source.same_as(buf) else reg
         for reg in reads])
-    root = func.body.block
     stmts = list(body) if isinstance(body, tirx.SeqStmt) else [body]
-    root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
-                        tirx.SeqStmt([stage, *stmts]), root.init,
-                        [*root.alloc_buffers, staged], root.match_buffers, root.annotations)
-    return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
+    return with_root(func, [stage, *stmts], [*func.body.block.alloc_buffers, staged])
 
 
 def subsampled_source(func):
@@ -139,9 +136,7 @@ def _replace_guard(stmt, guarded, new, reads=None):
 
 
 def _acc_block(func):
-    realizes = []
-    tvm_ffi.structural_map(func, (s_tir.SBlockRealize, lambda r: realizes.append(r) or r))
-    return next((r.block for r in realizes if r.block.name_hint == ACC), None)
+    return next((r.block for r in realizes(func) if r.block.name_hint == ACC), None)
 
 
 def _strided_read(func):

@@ -98,6 +98,28 @@ def definitions(stmt) -> list:
     return out
 
 
+def realizes(node) -> list:
+    """Every ``SBlockRealize`` in ``node``."""
+    out = []
+    tvm_ffi.structural_map(node, (s_tir.SBlockRealize, lambda r: out.append(r) or r))
+    return out
+
+
+def root_stmts(func) -> list:
+    """The statements of ``func``'s root block, in order."""
+    body = func.body.block.body
+    return list(body) if isinstance(body, tirx.SeqStmt) else [body]
+
+
+def with_root(func, stmts: list, alloc_buffers):
+    """``func`` with its root block's statements ``stmts`` and scratch ``alloc_buffers``."""
+    root = func.body.block
+    root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
+                        tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0], root.init,
+                        list(alloc_buffers), root.match_buffers, root.annotations)
+    return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
+
+
 def substitute(expr, mapping: dict):
     """``expr`` with the vars that are keys of ``mapping`` replaced by their values."""
     return tvm_ffi.structural_map(

@@ -513,10 +513,7 @@ def _micro_kernel(sch, acc, dst, threads, u, n_dims, cfg: Config, parallel=True)
     split = _innermost_reduction(block, [int(sch.get(l).extent) for l in reduce])
     if split is not None:
         i, b = split
-        n = int(sch.get(reduce[i]).extent)
-        parts = sch.split(reduce[i], [None, b]) if b < n else [reduce[i]]
-        if n % b:   # a last, partial channel block: peeled off (``_unrolled``)
-            sch.annotate(parts[0], "pragma_loop_partition_hint", 1)
+        parts = _split_peeled(sch, reduce[i], b)   # a partial last channel block peeled
         reduce = [*reduce[:i], *parts[:-1], *reduce[i + 1:], parts[-1]]
     sch.reorder(*reduce, *a_tile, at, av)
     fused = sch.fuse(*threads) if len(threads) > 1 else threads[0]
@@ -589,11 +586,20 @@ def _unrolled(sch, loop) -> list:
     loops = [loop]
     if n > UNROLL:
         b = math.gcd(UNROLL, n)
-        b = b if 2 * b >= UNROLL else UNROLL
-        loops = list(sch.split(loop, [None, b]))
-        if n % b:
-            sch.annotate(loops[0], "pragma_loop_partition_hint", 1)
+        loops = _split_peeled(sch, loop, b if 2 * b >= UNROLL else UNROLL)
     sch.unroll(loops[-1])
+    return loops
+
+
+def _split_peeled(sch, loop, b) -> list:
+    """``loop`` split into steps of ``b`` (itself where it has no more), the partial last
+    step, if any, peeled off by TVM's loop partitioning (``pragma_loop_partition_hint``)."""
+    n = int(sch.get(loop).extent)
+    if b >= n:
+        return [loop]
+    loops = list(sch.split(loop, [None, b]))
+    if n % b:
+        sch.annotate(loops[0], "pragma_loop_partition_hint", 1)
     return loops
 
 

@@ -19,7 +19,7 @@ from tvm.sym.analyzer import Analyzer
 from blockpad.vocabulary import ACC, DST
 
 from .common import count_iters
-from .nest import definitions, substitute
+from .nest import definitions, realizes, root_stmts, substitute, with_root
 
 _realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 CLAMPED_ROWS = 6   # the most rows of a tile that may read a clamped row (``edge_parts``)
@@ -133,20 +133,16 @@ def _drop_dead_acc(func, acc, dst):
                        blk.writes, blk.name_hint,
                        tirx.BufferStore(store.buffer, value, store.indices), blk.init,
                        blk.alloc_buffers, blk.match_buffers, blk.annotations)
-    root = func.body.block
     body = []
-    for stmt in (list(root.body) if isinstance(root.body, tirx.SeqStmt) else [root.body]):
-        names = [r.block.name_hint for r in _realizes(stmt)]
+    for stmt in root_stmts(func):
+        names = [r.block.name_hint for r in realizes(stmt)]
         if acc in names or dead and dst in names:
             continue
         body.append(tvm_ffi.structural_map(stmt, (s_tir.SBlockRealize, lambda r: r if
                     r.block.name_hint != dst else s_tir.SBlockRealize(r.iter_values,
                                                                       r.predicate, blk))))
-    root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
-                        tirx.SeqStmt(body) if len(body) > 1 else body[0], root.init,
-                        [b for b in root.alloc_buffers if not b.same_as(acc_buf)],
-                        root.match_buffers, root.annotations)
-    return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
+    return with_root(func, body, [b for b in func.body.block.alloc_buffers
+                                  if not b.same_as(acc_buf)])
 
 
 def extent(func, name, back) -> int:
@@ -220,14 +216,7 @@ def whole_tiles(func, name, mr, nr):
 
 def realize_of(func, name):
     """The ``SBlockRealize`` of block ``name`` in ``func``."""
-    return next(r for r in _realizes(func) if r.block.name_hint == name)
-
-
-def _realizes(node) -> list:
-    """Every ``SBlockRealize`` in ``node``."""
-    out = []
-    tvm_ffi.structural_map(node, (s_tir.SBlockRealize, lambda r: out.append(r) or r))
-    return out
+    return next(r for r in realizes(func) if r.block.name_hint == name)
 
 
 def _cut(func, acc, dst, back, width, suffix):
@@ -235,27 +224,22 @@ def _cut(func, acc, dst, back, width, suffix):
     spatial dim from the last: they keep the first ``width``; copies named with ``suffix``
     take the rest, counting it from ``width``, into a scratch buffer of their own, so that
     they are tiled apart (``edge_parts`` says why)."""
-    root = func.body.block
-    stmts = list(root.body) if isinstance(root.body, tirx.SeqStmt) else [root.body]
     acc_buf = realize_of(func, acc).block.writes[0].source
     shape = [int(x) for x in acc_buf.ty.shape]
     d = len(shape) - back
     edge_buf = tirx.decl_buffer([*shape[:d], shape[d] - width, *shape[d + 1:]],
                                 str(acc_buf.ty.dtype), acc_buf.name + suffix)
     main, edge, last = [], [], 0
-    for stmt in stmts:
-        if any(r.block.name_hint in (acc, dst) for r in _realizes(stmt)):
+    for stmt in root_stmts(func):
+        if any(r.block.name_hint in (acc, dst) for r in realizes(stmt)):
             main.append(_range(stmt, back, width))
             edge.append(_range(stmt, back, width, suffix, {acc_buf: edge_buf}))
             last = len(main)
         else:
             main.append(stmt)
     # the copies right after the pair: a later stage may read what ``dst`` writes
-    body = main[:last] + edge + main[last:]
-    root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
-                        tirx.SeqStmt(body), root.init, [*root.alloc_buffers, edge_buf],
-                        root.match_buffers, root.annotations)
-    return func.with_body(s_tir.SBlockRealize(func.body.iter_values, func.body.predicate, root))
+    return with_root(func, main[:last] + edge + main[last:],
+                     [*func.body.block.alloc_buffers, edge_buf])
 
 
 def _range(nest, back, start, suffix=None, scratch=None):
@@ -264,8 +248,7 @@ def _range(nest, back, start, suffix=None, scratch=None):
     copy (fresh variables, the block's name + ``suffix``) that counts that dim from ``start``
     (every index and the block's predicate shifted by ``start``, but the indices of the
     ``scratch`` buffers, which it swaps: ``{old: new}``)."""
-    realize = []
-    tvm_ffi.structural_map(nest, (s_tir.SBlockRealize, lambda r: realize.append(r) or r))
+    realize = realizes(nest)
     ivs = realize[0].block.iter_vars
     d = count_iters(realize[0].block) - back
     loop_var, var, extent = realize[0].iter_values[d], ivs[d].var, int(ivs[d].dom.extent)
